@@ -1,0 +1,62 @@
+"""Device detection must not start TensorFlow's runtime (fact 14 of DESIGN.md)."""
+
+import subprocess
+import sys
+
+import tfstrat
+
+# Each check runs in a fresh interpreter: once the runtime starts in this one it cannot be undone.
+DEVICES_THEN_MULTIWORKER = """
+import json, os, socket
+import tfstrat
+from tfstrat.devices import runtime_initialized
+info = tfstrat.devices()
+assert not runtime_initialized(), "devices() started the runtime"
+assert info.cpu_count >= 1 and info.tpu is None and not info.gpus
+cfg = tfstrat.TFConfig.local(workers=1).for_task("worker", 0)
+os.environ.update(cfg.to_env())
+import tensorflow as tf
+tf.distribute.MultiWorkerMirroredStrategy()   # fails if the runtime had started
+print("OK")
+"""
+
+SPLIT = """
+import tfstrat, tensorflow as tf
+assert tfstrat.split_cpu(3) == ["/device:CPU:0", "/device:CPU:1", "/device:CPU:2"]
+assert len(tf.config.list_logical_devices("CPU")) == 3
+tfstrat.split_cpu(3)    # same split again: fine
+try:
+    tfstrat.split_cpu(2)
+except RuntimeError as e:
+    assert "split_cpu(2)" in str(e) and "before any TensorFlow op" in str(e), e
+    print("OK")
+"""
+
+
+def _python(code):
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_devices_then_multiworker_strategy_still_works():
+    _python(DEVICES_THEN_MULTIWORKER)
+
+
+def test_split_cpu_and_its_late_error():
+    _python(SPLIT)
+
+
+def test_split_cpu_rejects_bad_counts():
+    import pytest
+
+    with pytest.raises(ValueError, match="n=0"):
+        tfstrat.split_cpu(0)
+
+
+def test_device_table_reports_no_gpu_here():
+    info = tfstrat.devices()
+    text = info.table()
+    assert any(line.split() == ["CPUs", str(info.cpu_count)] for line in text.splitlines())
+    assert info.to_dict()["nccl"] is False or len(info.gpus) >= 2

@@ -1,0 +1,5 @@
+import sys
+
+from tfstrat.cli import main
+
+sys.exit(main())

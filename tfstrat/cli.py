@@ -1,0 +1,162 @@
+"""The `tfstrat` command: a thin skin over `tfstrat`'s functions.
+
+Every flag falls back to an environment variable `TFSTRAT_<FLAG>` (dashes as underscores), so
+`TFSTRAT_WORKERS=3 tfstrat launch -- python train.py` works like `--workers 3`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from tfstrat.cluster import TFConfig, TFConfigError
+
+EXIT_USAGE = 2
+
+
+def _env(flag: str, default=None, kind=str):
+    """The default for `--flag`: $TFSTRAT_FLAG if set, else `default`."""
+    value = os.environ.get("TFSTRAT_" + flag.upper().replace("-", "_"))
+    if value is None:
+        return default
+    if kind is bool:
+        return value.lower() in ("1", "true", "yes", "on")
+    try:
+        return kind(value)
+    except ValueError:
+        raise SystemExit(f"tfstrat: TFSTRAT_{flag.upper()}={value!r} is not a valid {kind.__name__}")
+
+
+def _csv(text: str | None) -> list[str]:
+    return [a.strip() for a in text.split(",") if a.strip()] if text else []
+
+
+def _task(text: str) -> tuple[str, int]:
+    kind, sep, index = text.partition(":")
+    if not sep or not index.isdigit():
+        raise TFConfigError(f"Received: --task {text!r}. Write it as TYPE:INDEX, e.g. worker:1.")
+    return kind, int(index)
+
+
+def _cmd_devices(args) -> int:
+    from tfstrat.devices import devices
+
+    info = devices()
+    print(json.dumps(info.to_dict(), indent=2) if args.json else info.table())
+    return 0
+
+
+def _cmd_tf_config(args) -> int:
+    task_type, index = _task(args.task) if args.task else (None, None)
+    config = TFConfig.from_hosts(
+        worker=_csv(args.worker),
+        ps=_csv(args.ps),
+        chief=args.chief,
+        evaluator=args.evaluator,
+        task_type=task_type,
+        task_index=index,
+    )
+    text = config.to_json()
+    print(f"export TF_CONFIG='{text}'" if args.export else text)
+    return 0
+
+
+def _cmd_launch(args) -> int:
+    from tfstrat.launch import LaunchConfig, launch
+
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    try:
+        config = LaunchConfig(
+            command=command,
+            workers=args.workers,
+            ps=args.ps,
+            chief=args.chief,
+            timeout=args.timeout,
+            port_retries=args.port_retries,
+            threads_per_task=args.threads_per_task,
+        )
+    except ValueError as e:
+        print(f"tfstrat launch: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    return launch(config)
+
+
+def _cmd_server(args) -> int:
+    from tfstrat.server import ServerError, serve
+
+    try:
+        serve(TFConfig.from_env(), _task(args.task) if args.task else None)
+    except ServerError as e:
+        print(f"tfstrat server: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tfstrat", description="Distribution strategies for TensorFlow 2 and Keras 3."
+    )
+    sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("devices", help="what this host has: CPUs, GPUs (NCCL?), TPU")
+    p.add_argument("--json", action="store_true", default=_env("json", False, bool))
+    p.set_defaults(run=_cmd_devices)
+
+    p = sub.add_parser("tf-config", help="print a valid TF_CONFIG for one task")
+    g = p.add_argument_group("Cluster")
+    g.add_argument("--worker", default=_env("worker"), help="worker addresses H:P,H:P")
+    g.add_argument("--ps", default=_env("ps"), help="ps addresses H:P,...")
+    g.add_argument("--chief", default=_env("chief"), help="the chief's address H:P")
+    g.add_argument("--evaluator", default=_env("evaluator"), help="the evaluator's address")
+    g.add_argument("--task", default=_env("task"), help="this task, TYPE:INDEX (e.g. worker:1)")
+    p.add_argument("--export", action="store_true", default=_env("export", False, bool))
+    p.set_defaults(run=_cmd_tf_config)
+
+    p = sub.add_parser("launch", help="run a real cluster on 127.0.0.1: launch [flags] -- CMD")
+    g = p.add_argument_group("Cluster")
+    g.add_argument("--workers", type=int, default=_env("workers", 1, int))
+    g.add_argument("--ps", type=int, default=_env("ps", 0, int), help="ps tasks to start")
+    g.add_argument("--chief", action="store_true", default=_env("chief", False, bool))
+    g.add_argument("--port-retries", type=int, default=_env("port-retries", 3, int))
+    g = p.add_argument_group("Devices")
+    g.add_argument(
+        "--threads-per-task",
+        type=int,
+        default=_env("threads-per-task", None, int),
+        help="intra-op threads per task (sets TF_NUM_INTRAOP_THREADS)",
+    )
+    g = p.add_argument_group("Run")
+    g.add_argument(
+        "--timeout",
+        type=float,
+        default=_env("timeout", None, float),
+        help="stop everything after SECONDS and exit 124",
+    )
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ARGS...")
+    p.set_defaults(run=_cmd_launch)
+
+    p = sub.add_parser("server", help="run this host's ps task (from TF_CONFIG) until stopped")
+    p.add_argument("--task", default=_env("task"), help="TYPE:INDEX, default TF_CONFIG's task")
+    p.set_defaults(run=_cmd_server)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `tfstrat` console script and `python -m tfstrat`."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        return args.run(args)
+    except TFConfigError as e:
+        print(f"tfstrat {args.cmd}: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""`tfstrat server`: runs this host's TensorFlow server task (usually a ps) until stopped."""
+
+from __future__ import annotations
+
+import logging
+
+from tfstrat.cluster import TFConfig, TFConfigError
+
+logger = logging.getLogger(__name__)
+
+
+class ServerError(RuntimeError):
+    """A task's server could not start (its port taken, its address not local)."""
+
+
+def start_server(tf_config: TFConfig, task: tuple[str, int] | None = None):
+    """Starts the TensorFlow gRPC server of one task and returns it (not yet joined).
+
+    Args:
+        tf_config: the cluster; its own task is used unless `task` is given.
+        task: `(type, index)` to serve instead of `tf_config`'s task.
+
+    Returns:
+        A started `tf.distribute.Server`.
+
+    Raises:
+        TFConfigError: no task given, or the task is not in the cluster.
+        ServerError: the server could not bind its address.
+    """
+    import tensorflow as tf
+
+    if task is not None:
+        tf_config = tf_config.for_task(*task)
+    if tf_config.task_type is None:
+        raise TFConfigError(
+            "Received: no task. `tfstrat server` needs TF_CONFIG['task'] or --task ps:INDEX."
+        )
+    task_type, index = tf_config.task_type, tf_config.task_index
+    address = tf_config.task_address
+    config = tf.compat.v1.ConfigProto()
+    if task_type == "ps":
+        # A ps never needs to see the workers; without the filter it waits for all of them.
+        config.device_filters.append(f"/job:ps/task:{index}")
+    try:
+        server = tf.distribute.Server(
+            tf.train.ClusterSpec({k: list(v) for k, v in tf_config.cluster.items()}),
+            job_name=task_type,
+            task_index=index,
+            protocol=tf_config.rpc_layer,
+            config=config,
+            start=True,
+        )
+    except (tf.errors.UnknownError, tf.errors.InternalError, tf.errors.UnavailableError) as e:
+        raise ServerError(
+            f"Could not start gRPC server for {task_type}:{index} at {address}: "
+            f"{str(e).splitlines()[0]}. Is the port in use, or the host not this machine?"
+        ) from e
+    logger.info("tfstrat server: %s:%d serving at %s", task_type, index, address)
+    return server
+
+
+def serve(tf_config: TFConfig, task: tuple[str, int] | None = None) -> None:
+    """Starts a task's server and blocks until the process is stopped."""
+    start_server(tf_config, task).join()
