@@ -22,7 +22,9 @@ def load(data: str):
         try:
             import tensorflow_datasets as tfds
 
-            train, test = tfds.load(data[5:], split=["train", "test"], batch_size=-1, as_supervised=True)
+            train, test = tfds.load(
+                data[5:], split=["train", "test"], batch_size=-1, as_supervised=True
+            )
             to_np = lambda d: (np.asarray(d[0], np.float32) / 255.0, np.asarray(d[1], np.int64))
             return to_np(tfds.as_numpy(train)), to_np(tfds.as_numpy(test))
         except Exception as e:  # no network here: fall back to data that ships with a package

@@ -161,7 +161,9 @@ def test_from_slurm_ps_tasks_come_first():
     assert config.addresses("worker") == ("n2:12345", "n3:12345")
     assert (config.task_type, config.task_index) == ("ps", 0)
     assert TFConfig.from_slurm({**env, "SLURM_PROCID": "2"}, ps=1).task_index == 1
-    with pytest.raises(TFConfigError, match=r"ps=3"):
+    with pytest.raises(
+        TFConfigError, match=r"ps=3. Use a value in 0..2 \(3 tasks, one must be a worker\)"
+    ):
         TFConfig.from_slurm(env, ps=3)
 
 
@@ -170,10 +172,10 @@ def test_from_slurm_ps_tasks_come_first():
     [
         ({}, r"SLURM_PROCID unset"),
         (_slurm_env(5, "n[1-2]", "2(x2)"), r"SLURM_PROCID=5 for 4 tasks"),
-        (_slurm_env(0, "n[1-2]", "2"), r"tasks per node='2' for 2 nodes"),
+        (_slurm_env(0, "n[1-2]", "2"), r"SLURM_TASKS_PER_NODE='2' for 2 nodes"),
         (_slurm_env(0, "n[3-1]"), r"range '3-1'"),
-        (_slurm_env(0, "n[1-2"), r"nodelist='n\[1-2'"),
-        (_slurm_env(0, "a,,b"), r"nodelist='a,,b'"),
+        (_slurm_env(0, "n[1-2"), r"SLURM_JOB_NODELIST='n\[1-2'"),
+        (_slurm_env(0, "a,,b"), r"SLURM_JOB_NODELIST='a,,b'"),
         (_slurm_env(0, "n[1-999999999]"), r"range '1-999999999'"),
         (_slurm_env("x", "n1"), r"SLURM_PROCID='x'"),
     ],
@@ -209,17 +211,18 @@ def test_from_hostfile(tmp_path):
         ("a\nb slots=x\n", r"'slots=x' at .*hosts:2"),
         ("a\na\n", r"also used by"),
         ("a:1 slots=1\n", r"hosts:1='a:1:12345'. An address"),
-        ("::1 slots=2\n#\nfe80::2\n", None),
     ],
 )
 def test_from_hostfile_errors(tmp_path, text, match):
     (tmp_path / "hosts").write_text(text)
-    if match is None:  # bare IPv6 hosts get brackets
-        config = TFConfig.from_hostfile(tmp_path / "hosts")
-        assert config.addresses("worker") == ("[::1]:12345", "[::1]:12346", "[fe80::2]:12345")
-        return
     with pytest.raises(TFConfigError, match=match):
         TFConfig.from_hostfile(tmp_path / "hosts")
+
+
+def test_from_hostfile_brackets_bare_ipv6(tmp_path):
+    (tmp_path / "hosts").write_text("::1 slots=2\n#\nfe80::2\n")
+    config = TFConfig.from_hostfile(tmp_path / "hosts")
+    assert config.addresses("worker") == ("[::1]:12345", "[::1]:12346", "[fe80::2]:12345")
 
 
 def test_from_hostfile_missing(tmp_path):
@@ -478,7 +481,7 @@ ADDRESS_LISTS = (
 
 
 @st.composite
-def tf_config_dicts(draw):
+def tf_config_dicts(draw, mutate=True):
     """A valid TF_CONFIG dict, sometimes with one value replaced by junk or one key deleted."""
     ports = iter(draw(st.lists(st.integers(1, 65535), min_size=9, max_size=9, unique=True)))
     sizes = {"chief": (0, 1), "worker": (1, 4), "ps": (0, 2), "evaluator": (0, 1)}
@@ -493,7 +496,7 @@ def tf_config_dicts(draw):
     for key, value in [("rpc_layer", "grpc"), ("environment", "cloud")]:
         if draw(st.booleans()):
             data[key] = value
-    if draw(st.booleans()):
+    if mutate and draw(st.booleans()):
         parent, key = draw(st.sampled_from(list(_slots(data))))
         if draw(st.booleans()) and isinstance(parent, dict):
             del parent[key]
@@ -555,22 +558,41 @@ def test_fuzz_from_json(text):
     st.dictionaries(
         st.sampled_from(["PATH", "TF_CONFIG "]) | st.text(max_size=4), st.text(max_size=4)
     ),
-    st.fixed_dictionaries({}, optional={"TF_CONFIG": JSON_TEXT | JSONISH}),
+    st.just({})
+    | st.fixed_dictionaries({"TF_CONFIG": tf_config_dicts().map(json.dumps)})
+    | st.fixed_dictionaries({"TF_CONFIG": JSON_TEXT | JSONISH}),
 )
 def test_fuzz_from_env(other, tf_config):
     _outcome(lambda: TFConfig.from_env({**other, **tf_config}))
 
 
-@FUZZ
-@given(
-    worker=ADDRESS_LISTS,
-    ps=st.none() | ADDRESS_LISTS,
-    chief=st.none() | ADDRESS | JSONISH,
-    evaluator=st.none() | ADDRESS | JSONISH,
-    task=st.just((None, None)) | st.tuples(st.none() | TASK_TYPE | JSONISH, st.none() | INDEX),
+@st.composite
+def hosts_args(draw):
+    """from_hosts arguments of a valid cluster, sometimes with one argument replaced by junk."""
+    data = draw(tf_config_dicts(mutate=False))
+    cluster, task = data["cluster"], data.get("task", {})
+    args = [cluster.get("worker", ()), cluster.get("ps")]
+    args += [(cluster.get(job) or [None])[0] for job in ("chief", "evaluator")]
+    args += [task.get("type"), task.get("index")]
+    if draw(st.booleans()):
+        args[draw(st.integers(0, 5))] = draw(st.none() | ADDRESS_LISTS | JUNK)
+    return args
+
+
+RANDOM_HOSTS_ARGS = st.tuples(
+    ADDRESS_LISTS,
+    st.none() | ADDRESS_LISTS,
+    st.none() | ADDRESS | JSONISH,
+    st.none() | ADDRESS | JSONISH,
+    st.none() | TASK_TYPE | JSONISH,
+    st.none() | INDEX,
 )
-def test_fuzz_from_hosts(worker, ps, chief, evaluator, task):
-    _outcome(lambda: TFConfig.from_hosts(worker, ps, chief, evaluator, *task))
+
+
+@FUZZ
+@given(hosts_args() | RANDOM_HOSTS_ARGS)
+def test_fuzz_from_hosts(args):
+    _outcome(lambda: TFConfig.from_hosts(*args))
 
 
 NUMBER = st.integers(0, 12) | st.integers(0, 10**10)
@@ -668,8 +690,27 @@ JUNK_HOSTFILE_LINE = (
     | st.sampled_from(["a max_slots=4", "slots=2", "a slots=2 slots=x", "a:1"])
     | st.text(max_size=15)
 )
+GOOD_HOSTFILE = st.lists(
+    st.sampled_from(["a", "b", "c", "10.0.0.1", "::1", "n-1.svc"]),
+    min_size=1,
+    max_size=4,
+    unique=True,
+).flatmap(
+    lambda hosts: st.tuples(
+        *[
+            st.builds(
+                "{}{}{}".format,
+                st.sampled_from(["", "# rack 1\n", "\n  \n"]),
+                st.just(host),
+                st.sampled_from(["", " slots=1", " slots=3 # three", "\tslots=2"]),
+            )
+            for host in hosts
+        ]
+    )
+)
 HOSTFILE = (
-    st.lists(GOOD_HOSTFILE_LINE, max_size=5).map(lambda lines: "\n".join(lines).encode())
+    GOOD_HOSTFILE.map(lambda lines: "\n".join(lines).encode())
+    | st.lists(GOOD_HOSTFILE_LINE, max_size=5).map(lambda lines: "\n".join(lines).encode())
     | st.lists(GOOD_HOSTFILE_LINE | JUNK_HOSTFILE_LINE, max_size=6).map(
         lambda lines: "\n".join(lines).encode()
     )
@@ -701,7 +742,10 @@ def test_fuzz_valid_configs_agree_with_their_dict(data):
     assert config.num_workers == len(cluster_dict.get("worker", ())) + len(
         cluster_dict.get("chief", ())
     )
-    if config.task_type is not None:
+    if config.task_type in cluster_dict:
         assert config.task_address == cluster_dict[config.task_type][config.task_index]
+    elif config.task_type is not None:  # Kubeflow's evaluator, outside the cluster
+        assert (config.task_type, config.task_index, config.task_address) == ("evaluator", 0, None)
+    if config.task_type is not None:
         chief = "chief" if "chief" in cluster_dict else "worker"
         assert config.is_chief == (config.task_type == chief and config.task_index == 0)

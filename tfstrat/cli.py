@@ -28,7 +28,9 @@ def _env(flag: str, default=None, kind=str):
     try:
         return kind(value)
     except ValueError:
-        raise SystemExit(f"tfstrat: TFSTRAT_{flag.upper()}={value!r} is not a valid {kind.__name__}")
+        raise SystemExit(
+            f"tfstrat: TFSTRAT_{flag.upper()}={value!r} is not a valid {kind.__name__}"
+        )
 
 
 def _csv(text: str | None) -> list[str]:

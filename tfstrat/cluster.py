@@ -53,7 +53,9 @@ def _show(value: object, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _int(name: str, value: object, low: int | None = 0, high: int | None = None) -> int:
+def _int(
+    name: str, value: object, low: int | None = 0, high: int | None = None, why: str = ""
+) -> int:
     """An int, or a string of ASCII digits (Kubeflow and shells write indices as text)."""
     if isinstance(value, str) and _DIGITS_RE.fullmatch(value):
         value = int(value)
@@ -61,7 +63,7 @@ def _int(name: str, value: object, low: int | None = 0, high: int | None = None)
         raise TFConfigError(f"Received: {name}={_show(value)}. Use an int or a digit string.")
     if (low is not None and value < low) or (high is not None and value > high):
         bounds = f"{'' if low is None else low}..{'' if high is None else high}"
-        raise TFConfigError(f"Received: {name}={value}. Use a value in {bounds}.")
+        raise TFConfigError(f"Received: {name}={value}. Use a value in {bounds}{why}.")
     return value
 
 
@@ -373,8 +375,8 @@ class TFConfig:
         """
         environ = os.environ if environ is None else environ
         port = _int("port", port, 1, 65535)
-        proc_id = _int("SLURM_PROCID", _slurm_var(environ, "SLURM_PROCID"))
-        hosts = _expand_nodelist(_slurm_var(environ, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"))
+        proc_id = _int(*_slurm_var(environ, "SLURM_PROCID"))
+        hosts = _expand_nodelist(*_slurm_var(environ, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"))
         counts = _slurm_tasks_per_node(environ, len(hosts))
         tasks = [(host, k) for host, n in zip(hosts, counts, strict=True) for k in range(n)]
         if proc_id >= len(tasks):
@@ -387,7 +389,7 @@ class TFConfig:
                 f"Received: SLURM_LOCALID={_show(local_id)} for SLURM_PROCID={proc_id}; block "
                 f"order gives local rank {tasks[proc_id][1]}. Use srun --distribution=block."
             )
-        ps = _int("ps", ps, 0, len(tasks) - 1)  # at least one worker
+        ps = _int("ps", ps, 0, len(tasks) - 1, f" ({len(tasks)} tasks, one must be a worker)")
         addresses = [_join_host_port(host, port + k) for host, k in tasks]
         task = ("ps", proc_id) if proc_id < ps else ("worker", proc_id - ps)
         return cls({"worker": addresses[ps:], "ps": addresses[:ps]}, *task)
@@ -406,9 +408,10 @@ class TFConfig:
 
         Example:
             >>> import pathlib, tempfile
-            >>> path = pathlib.Path(tempfile.mkdtemp()) / "hosts"
-            >>> _ = path.write_text("# rack 1\\na slots=2\\nb\\n")
-            >>> TFConfig.from_hostfile(path, port=2222).addresses("worker")
+            >>> with tempfile.TemporaryDirectory() as tmp:
+            ...     path = pathlib.Path(tmp, "hosts")
+            ...     _ = path.write_text("# rack 1\\na slots=2\\nb\\n")
+            ...     TFConfig.from_hostfile(path, port=2222).addresses("worker")
             ('a:2222', 'a:2223', 'b:2222')
         """
         port = _int("port", port, 1, 65535)
@@ -501,22 +504,23 @@ class TFConfig:
         )
 
 
-def _slurm_var(environ: Mapping[str, str], *names: str) -> str:
+def _slurm_var(environ: Mapping[str, str], *names: str) -> tuple[str, str]:
+    """(name, value) of the first of `names` set in `environ`."""
     for name in names:
         value = environ.get(name) if isinstance(environ, Mapping) else None
         if isinstance(value, str) and value:
-            return value
+            return name, value
     raise TFConfigError(
         f"Received: {' / '.join(names)} unset or empty. Run inside a SLURM allocation (srun), "
         "or build the TFConfig with from_hosts."
     )
 
 
-def _expand_nodelist(text: str) -> list[str]:
+def _expand_nodelist(name: str, text: str) -> list[str]:
     """`node[01-03,07],b3` -> node01 node02 node03 node07 b3 (SLURM's hostlist syntax)."""
+    where = f"{name}={_show(text)}"
     bad = TFConfigError(
-        f"Received: nodelist={_show(text)}. Write it like 'node[01-03,07],b3', with at most "
-        f"{_MAX_TASKS} hosts."
+        f"Received: {where}. Write it like 'node[01-03,07],b3', with at most {_MAX_TASKS} hosts."
     )
     # Commas inside brackets separate ranges, outside them hosts; anything unmatched (empty
     # items, an unclosed bracket) makes the items no longer join back into the text.
@@ -527,14 +531,14 @@ def _expand_nodelist(text: str) -> list[str]:
     for item in items:
         # re.split alternates literal text (even positions) and bracket contents (odd).
         parts = re.split(r"\[([^\]]*)\]", item)
-        choices = [[p] if i % 2 == 0 else _expand_ranges(p, text) for i, p in enumerate(parts)]
+        choices = [[p] if i % 2 == 0 else _expand_ranges(p, where) for i, p in enumerate(parts)]
         if not item or math.prod(map(len, choices)) + len(hosts) > _MAX_TASKS:
             raise bad
         hosts += ["".join(combo) for combo in itertools.product(*choices)]
     return hosts
 
 
-def _expand_ranges(ranges: str, text: str) -> list[str]:
+def _expand_ranges(ranges: str, where: str) -> list[str]:
     """`01-03,07` -> 01 02 03 07; zero padding follows the low end, as in SLURM."""
     names: list[str] = []
     for part in ranges.split(","):
@@ -542,7 +546,7 @@ def _expand_ranges(ranges: str, text: str) -> list[str]:
         low, high = (int(match[1]), int(match[2] or match[1])) if match else (1, 0)
         if low > high or high - low + len(names) >= _MAX_TASKS:
             raise TFConfigError(
-                f"Received: nodelist={_show(text)} with range {_show(ranges, 30)}. Write "
+                f"Received: {where} with range {_show(ranges, 30)}. Write "
                 "ranges like [01-03,07] (low <= high, no steps)."
             )
         names += [str(n).zfill(len(match[1])) for n in range(low, high + 1)]
@@ -555,7 +559,7 @@ def _slurm_tasks_per_node(environ: Mapping[str, str], num_hosts: int) -> list[in
     if not any(environ.get(name) for name in names):
         logger.info("SLURM tasks per node unset; assuming 1 task on each of %d nodes.", num_hosts)
         return [1] * num_hosts
-    text = _slurm_var(environ, *names)
+    name, text = _slurm_var(environ, *names)
     counts: list[int] = []
     for part in text.split(","):
         match = re.fullmatch(r"([0-9]{1,5})(?:\(x([0-9]{1,6})\))?", part)
@@ -566,7 +570,7 @@ def _slurm_tasks_per_node(environ: Mapping[str, str], num_hosts: int) -> list[in
         counts += [count] * repeat
     if len(counts) != num_hosts:
         raise TFConfigError(
-            f"Received: tasks per node={_show(text)} for {num_hosts} nodes. Write it like "
+            f"Received: {name}={_show(text)} for {num_hosts} nodes. Write it like "
             "'2(x3),1', with one count >= 1 per node of the nodelist."
         )
     return counts

@@ -116,7 +116,13 @@ def _nvidia_smi_memory(name: str) -> int | None:
     index = name.rsplit(":", 1)[-1]
     try:
         out = subprocess.run(
-            ["nvidia-smi", "-i", index, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+            [
+                "nvidia-smi",
+                "-i",
+                index,
+                "--query-gpu=memory.total",
+                "--format=csv,noheader,nounits",
+            ],
             capture_output=True,
             text=True,
             timeout=10,

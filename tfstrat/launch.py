@@ -166,8 +166,7 @@ def _start(config: LaunchConfig, tf_config: TFConfig, out: TextIO) -> tuple[list
     roles = [("chief", 0)] if config.chief else []
     roles += [("worker", i) for i in range(config.workers)]
     train = [
-        _Task(f"{t}:{i}", config.command, _task_env(config, tf_config, t, i), out)
-        for t, i in roles
+        _Task(f"{t}:{i}", config.command, _task_env(config, tf_config, t, i), out) for t, i in roles
     ]
     return ps, train
 

@@ -1,0 +1,78 @@
+"""`MirroredNCCL`: one process, several local devices, synchronous all-reduce."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import tensorflow as tf
+
+from tfstrat.devices import local_devices
+from tfstrat.reduce.collective import SparseAwareAllReduce
+from tfstrat.reduce.sparse import DensityPolicy
+from tfstrat.strategies import _common
+
+logger = logging.getLogger(__name__)
+
+
+class MirroredNCCL(tf.distribute.MirroredStrategy):
+    """Synchronous data parallelism over the devices of one process.
+
+    Dense gradients go out in one packed collective: NCCL on two or more physical GPUs, ring
+    collectives on CPUs and virtual devices. Sparse gradients (`IndexedSlices` from Embedding
+    layers) are deduplicated on each replica and all-gathered in one collective, or densified
+    when the replicas could touch more than `sparse_as_dense` of the table's rows.
+
+    Args:
+        devices: device names; None for every GPU, else every logical CPU device (split the CPU
+            first with `tfstrat.split_cpu(n)`).
+        communication: "auto", "nccl" (GPUs only) or "ring".
+        sparse_as_dense: "auto", a fraction in (0, 1], True or False (see `DensityPolicy`).
+        timeout: seconds any collective may wait before failing, or None.
+
+    Raises:
+        ValueError: `communication="nccl"` where NCCL cannot run, or an unknown option.
+
+    Example:
+        >>> import tfstrat, keras
+        >>> tfstrat.split_cpu(2)  # doctest: +SKIP
+        >>> strategy = tfstrat.MirroredNCCL()  # doctest: +SKIP
+        >>> with strategy.scope():  # doctest: +SKIP
+        ...     model = keras.Sequential([keras.layers.Dense(1)])
+        ...     model.compile(optimizer="sgd", loss="mse")
+    """
+
+    def __init__(
+        self,
+        devices: Sequence[str] | None = None,
+        *,
+        communication: str = "auto",
+        sparse_as_dense: str | float | bool = "auto",
+        timeout: float | None = None,
+    ):
+        devices = local_devices(devices)
+        implementation = _common.communication_implementation(communication, devices)
+        super().__init__(devices=devices)
+        extended = self.extended
+        options = tf.distribute.experimental.CommunicationOptions(
+            implementation=implementation, timeout_seconds=timeout
+        )
+        self.density = DensityPolicy(sparse_as_dense)
+        # Shares the strategy's collective keys: two key generators for one device group would
+        # hand out colliding instance keys.
+        ops = SparseAwareAllReduce(
+            extended._devices,
+            len(extended._devices),
+            options,
+            self.density,
+            collective_keys=extended._collective_keys,
+        )
+        extended._cross_device_ops = ops
+        extended._collective_ops = ops
+        extended._communication_options = options
+        logger.info(
+            "tfstrat: MirroredNCCL over %d device(s) %s, %s all-reduce",
+            len(devices),
+            list(devices),
+            implementation.name.lower(),
+        )
