@@ -30,7 +30,7 @@ def _env(flag: str, default=None, kind=str):
     except ValueError:
         raise SystemExit(
             f"tfstrat: TFSTRAT_{flag.upper()}={value!r} is not a valid {kind.__name__}"
-        )
+        ) from None
 
 
 def _csv(text: str | None) -> list[str]:
