@@ -28,6 +28,9 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
     def __init__(self, devices, group_size, options, density, collective_keys=None):
         super().__init__(devices, group_size, options, collective_keys)
         self.density = density
+        #: What replica 0 sent, recorded at trace time: `("all_reduce", [shapes])` for a dense
+        #: pack, `("all_gather", shape)` for a packed sparse gradient. For tests and debugging.
+        self.traced: list[tuple] = []
 
     def _all_reduce(self, reduce_op, value, replica_id, options):
         flat = nest.flatten(value)
@@ -43,6 +46,8 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
                     del rows[i]
         dense_at = [i for i in range(len(flat)) if i not in rows]
         if dense_at:
+            if replica_id == 0:
+                self.traced.append(("all_reduce", [tuple(flat[i].shape) for i in dense_at]))
             reduced = super()._all_reduce(
                 reduce_op, [flat[i] for i in dense_at], replica_id, options
             )
@@ -60,6 +65,8 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
                 gathered = sparse.dedup(launcher.all_reduce_indexed_slices(slices, options))
             else:
                 packed = sparse.pack_rows(slices, rows)
+                if replica_id == 0:
+                    self.traced.append(("all_gather", tuple(packed.shape)))
                 gathered = sparse.unpack_rows(launcher.all_gather(packed, 0, options), slices)
             if reduce_op == tf.distribute.ReduceOp.MEAN:
                 gathered = tf.IndexedSlices(

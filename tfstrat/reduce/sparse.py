@@ -40,7 +40,11 @@ def pack_rows(slices: tf.IndexedSlices, rows: int) -> tf.Tensor:
     index = tf.bitcast(tf.cast(slices.indices, tf.int32), tf.float32)
     packed = tf.concat([index[:, None], values], axis=1)
     pad = rows - tf.shape(packed)[0]
-    return tf.pad(packed, [[0, pad], [0, 0]])
+    packed = tf.pad(packed, [[0, pad], [0, 0]])
+    row_shape = slices.values.shape[1:]
+    width = row_shape.num_elements() if row_shape.is_fully_defined() else None
+    packed.set_shape([rows, None if width is None else 1 + width])
+    return packed
 
 
 def unpack_rows(packed: tf.Tensor, like: tf.IndexedSlices) -> tf.IndexedSlices:

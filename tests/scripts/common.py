@@ -1,0 +1,71 @@
+"""Model, data and reference training shared by the worker scripts of the cluster tests.
+
+The reference is single-device Keras training on the same global batches in the same order,
+with sparse gradients densified: tfstrat deduplicates an Embedding's gradient rows, which is the
+dense update's semantics; Keras's own sparse Adam/Adagrad treat duplicate rows separately.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+VOCAB, SEQ, CLASSES = 1000, 8, 4
+
+
+def data(n: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, VOCAB, (n, SEQ)).astype("int32")
+    y = (x[:, 0] % CLASSES).astype("int64")  # learnable, so the loss moves
+    return x, y
+
+
+def build_model():
+    """Embedding + Conv1D + Dense, with weights fixed by the seed."""
+    import keras
+
+    keras.utils.set_random_seed(7)
+    inputs = keras.Input((SEQ,), dtype="int32")
+    x = keras.layers.Embedding(VOCAB, 8)(inputs)
+    x = keras.layers.Conv1D(8, 3, activation="relu")(x)
+    x = keras.layers.Flatten()(x)
+    x = keras.layers.Dense(16, activation="relu")(x)
+    return keras.Model(inputs, keras.layers.Dense(CLASSES)(x))
+
+
+def optimizer(name: str, densify: bool = False, **kw):
+    """`sgdm` (SGD with momentum) or `adam`; `densify=True` for the single-device reference."""
+    import keras
+    import tensorflow as tf
+
+    cls = {"sgdm": keras.optimizers.SGD, "adam": keras.optimizers.Adam}[name]
+    args = {"sgdm": dict(learning_rate=0.05, momentum=0.9), "adam": dict(learning_rate=0.01)}
+    args = {**args[name], **kw}
+    if not densify:
+        return cls(**args)
+
+    class Densified(cls):
+        def apply(self, grads, trainable_variables=None):
+            grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+            return super().apply(grads, trainable_variables)
+
+    return Densified(**args)
+
+
+def compile_model(model, opt):
+    import keras
+
+    model.compile(
+        optimizer=opt,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def relative_errors(weights, reference) -> list[float]:
+    """||w - w_ref|| / ||w_ref|| per variable (0 where the reference is all zeros and w equals it)."""
+    errs = []
+    for w, r in zip(weights, reference, strict=True):
+        denom = np.linalg.norm(r)
+        errs.append(float(np.linalg.norm(w - r) / denom) if denom else float(np.abs(w).max()))
+    return errs

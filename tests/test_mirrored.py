@@ -1,0 +1,60 @@
+"""MirroredNCCL against single-device training, on logical CPU devices.
+
+Each case runs in a fresh interpreter: the CPU must be split before TensorFlow's runtime starts.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
+TOLERANCE = 1e-5
+
+
+def _run(n, sparse_as_dense, tmp_path):
+    out = tmp_path / "result.json"
+    proc = subprocess.run(
+        [sys.executable, "mirrored_equiv.py", str(n), sparse_as_dense, str(out)],
+        cwd=SCRIPTS,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("n, sparse_as_dense", [(2, "auto"), (4, "true")])
+def test_equals_single_device_training(n, sparse_as_dense, tmp_path):
+    result = _run(n, sparse_as_dense, tmp_path)
+    assert result["replicas"] == n
+    for name in ("sgdm", "adam"):
+        assert max(result[name]) <= TOLERANCE, (name, result[name])
+        assert result[f"{name}_iterations"] == 24
+        assert result[f"{name}_predict_rows"] == 8 * n * 24
+    sent = result["traced"]
+    table = [1000, 8]
+    dense_packs = [shapes for kind, shapes in sent if kind == "all_reduce"]
+    gathers = [shape for kind, shape in sent if kind == "all_gather"]
+    if sparse_as_dense == "auto":
+        # 8 examples x 8 ids per replica: at most 64 x n of 1000 rows, below the threshold.
+        assert {d for *_, d in result["decisions"]} == {"sparse"}
+        assert gathers and all(shape == [64, 9] for shape in gathers), sent
+        assert not any(table in shapes for shapes in dense_packs), sent
+    else:
+        assert {d for *_, d in result["decisions"]} == {"dense"}
+        assert not gathers and all(table in shapes for shapes in dense_packs), sent
+    # Every dense gradient went out in one packed collective per step function.
+    assert all(len(shapes) >= 6 for shapes in dense_packs)
+
+
+def test_nccl_where_it_cannot_run_is_a_clear_error():
+    import tfstrat
+
+    if tfstrat.devices().nccl:
+        pytest.skip("this host can run NCCL")
+    with pytest.raises(ValueError, match="communication='nccl'.*use communication='auto'"):
+        tfstrat.MirroredNCCL(communication="nccl")
