@@ -10,11 +10,13 @@ The strategies import TensorFlow when first used, so `import tfstrat` and the `t
 command's cluster tools (`tf-config`, `launch`) start fast.
 """
 
+from tfstrat import _logging
 from tfstrat.cluster import TFConfig, TFConfigError
 from tfstrat.devices import DeviceInfo, devices, split_cpu
 from tfstrat.launch import LaunchConfig, launch
 
 __version__ = "0.1.0"
+_logging.setup()
 
 _LAZY = {
     "auto": "tfstrat.strategies.auto",

@@ -45,7 +45,9 @@ def optimizer(name: str, densify: bool = False, **kw):
 
     class Densified(cls):
         def apply(self, grads, trainable_variables=None):
-            grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+            grads = [
+                tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads
+            ]
             return super().apply(grads, trainable_variables)
 
     return Densified(**args)

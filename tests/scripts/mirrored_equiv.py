@@ -14,7 +14,6 @@ SPARSE_AS_DENSE = {"auto": "auto", "true": True, "false": False}[sys.argv[2]]
 tfstrat.split_cpu(N)  # before any TensorFlow op runs
 
 import tensorflow as tf  # noqa: E402
-
 from common import build_model, compile_model, data, optimizer, relative_errors  # noqa: E402
 
 GLOBAL_BATCH, STEPS = 8 * N, 24
@@ -31,7 +30,9 @@ for name in ("sgdm", "adam"):
         if kind == "mirrored":
             result[f"{name}_iterations"] = int(model.optimizer.iterations.numpy())
             result[f"{name}_evaluate"] = model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0)
-            result[f"{name}_predict_rows"] = int(model.predict(x, batch_size=GLOBAL_BATCH, verbose=0).shape[0])
+            result[f"{name}_predict_rows"] = int(
+                model.predict(x, batch_size=GLOBAL_BATCH, verbose=0).shape[0]
+            )
     result[name] = relative_errors(weights["mirrored"], weights["ref"])
 result["decisions"] = [list(d) for d in strategy.density.decisions]
 result["traced"] = strategy.extended._cross_device_ops.traced

@@ -32,3 +32,86 @@ def communication_implementation(communication: str, devices: Sequence[str]) -> 
             )
         return _Impl.NCCL
     raise ValueError(f"Received: communication={communication!r}. Use 'auto', 'nccl' or 'ring'.")
+
+
+# --- Clipping the aggregated gradient --------------------------------------------------------
+# Keras 3 clips in `optimizer.apply` before its all-reduce (base_optimizer.py, Keras 3.15), so
+# under a strategy each replica's share is clipped, not the sum. tfstrat takes the clipping
+# over for optimizers created in its scope: the optimizer's own clipping becomes a no-op and
+# the same clipping runs on the all-reduced gradient.
+
+
+def _scale(g, s):
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(g.values * tf.cast(s, g.values.dtype), g.indices, g.dense_shape)
+    return g * tf.cast(s, g.dtype)
+
+
+def _square_norm(g):
+    # tfstrat's sparse gradients arrive deduplicated, so the rows' norm is the dense norm.
+    values = g.values if isinstance(g, tf.IndexedSlices) else g
+    return tf.reduce_sum(tf.square(tf.cast(values, tf.float32)))
+
+
+def clip_aggregated(optimizer, grads):
+    """Applies `optimizer`'s clipnorm / global_clipnorm / clipvalue to all-reduced `grads`."""
+    if optimizer.clipnorm and optimizer.clipnorm > 0:
+        c = optimizer.clipnorm
+        return [
+            g if g is None else _scale(g, c / tf.maximum(tf.sqrt(_square_norm(g)), c))
+            for g in grads
+        ]
+    if optimizer.global_clipnorm and optimizer.global_clipnorm > 0:
+        c = optimizer.global_clipnorm
+        norm = tf.sqrt(tf.add_n([_square_norm(g) for g in grads if g is not None]))
+        scale = c / tf.maximum(norm, c) + (norm - norm)  # NaN/inf norm -> NaN, as Keras does
+        return [g if g is None else _scale(g, scale) for g in grads]
+    if optimizer.clipvalue and optimizer.clipvalue > 0:
+        v = optimizer.clipvalue
+
+        def clip(g):
+            if isinstance(g, tf.IndexedSlices):
+                return tf.IndexedSlices(tf.clip_by_value(g.values, -v, v), g.indices, g.dense_shape)
+            return tf.clip_by_value(g, -v, v)
+
+        return [g if g is None else clip(g) for g in grads]
+    return grads
+
+
+def _take_over_clipping(optimizer):
+    reduce_sum = optimizer._all_reduce_sum_gradients
+
+    def reduce_then_clip(grads_and_vars):
+        pairs = list(reduce_sum(grads_and_vars))
+        grads = clip_aggregated(optimizer, [g for g, _ in pairs])
+        return [(g, v) for g, (_, v) in zip(grads, pairs, strict=True)]
+
+    optimizer._clip_gradients = lambda grads: grads
+    optimizer._all_reduce_sum_gradients = reduce_then_clip
+    optimizer._tfstrat_clipping = True
+
+
+class KerasOptimizerHooks:
+    """Mixin for a strategy's extended class: adopts Keras optimizers created in its scope.
+
+    Keras optimizers do not tell the strategy they exist; their first variable (`iteration`)
+    is created under the strategy's scope from inside the optimizer's `__init__`, which is
+    where tfstrat finds them (a look up the Python stack, once per variable created).
+    """
+
+    def _create_variable(self, next_creator, **kwargs):
+        import sys
+
+        from keras.optimizers import Optimizer
+
+        frame = sys._getframe(1)
+        for _ in range(40):
+            if frame is None:
+                break
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, Optimizer):
+                if not getattr(owner, "_tfstrat_clipping", False):
+                    _take_over_clipping(owner)
+                break
+            frame = frame.f_back
+        return super()._create_variable(next_creator, **kwargs)

@@ -6,6 +6,7 @@ import logging
 from collections.abc import Sequence
 
 import tensorflow as tf
+from tensorflow.python.distribute import distribute_lib, mirrored_strategy
 
 from tfstrat.devices import local_devices
 from tfstrat.reduce.collective import SparseAwareAllReduce
@@ -13,6 +14,10 @@ from tfstrat.reduce.sparse import DensityPolicy
 from tfstrat.strategies import _common
 
 logger = logging.getLogger(__name__)
+
+
+class _Extended(_common.KerasOptimizerHooks, mirrored_strategy.MirroredExtended):
+    pass
 
 
 class MirroredNCCL(tf.distribute.MirroredStrategy):
@@ -52,7 +57,8 @@ class MirroredNCCL(tf.distribute.MirroredStrategy):
     ):
         devices = local_devices(devices)
         implementation = _common.communication_implementation(communication, devices)
-        super().__init__(devices=devices)
+        # MirroredStrategy.__init__ hard-codes its extended class; this is its body with ours.
+        distribute_lib.Strategy.__init__(self, _Extended(self, devices=devices))
         extended = self.extended
         options = tf.distribute.experimental.CommunicationOptions(
             implementation=implementation, timeout_seconds=timeout

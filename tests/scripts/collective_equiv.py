@@ -1,0 +1,76 @@
+"""One worker of a CollectiveAllReduce cluster test (run by `tfstrat launch`), or the reference.
+
+Usage: python collective_equiv.py OUT_DIR [--reference] [--global-batch B] [--examples N]
+
+Trains the shared model with SGD+momentum and with Adam on the same global batches, evaluates
+and predicts, and writes OUT_DIR/<task>.npz (weights, iterations, evaluate logs, predictions).
+With --reference it runs the same thing on one device (sparse gradients densified).
+"""
+
+import argparse
+import os
+
+import numpy as np
+
+parser = argparse.ArgumentParser()
+parser.add_argument("out")
+parser.add_argument("--reference", action="store_true")
+parser.add_argument("--global-batch", type=int, default=24)
+parser.add_argument("--examples", type=int, default=24 * 21)
+parser.add_argument("--clipnorm", type=float, default=None)
+parser.add_argument(
+    "--emulate-workers",
+    type=int,
+    default=0,
+    help="reference only: weigh examples as W workers' local means do (uneven splits)",
+)
+args = parser.parse_args()
+
+import tfstrat  # noqa: E402
+
+# Created before any other TensorFlow op: collectives are configured at program start.
+strategy = None if args.reference else tfstrat.CollectiveAllReduce(timeout=60)
+
+import tensorflow as tf  # noqa: E402
+from common import build_model, compile_model, data, optimizer  # noqa: E402
+
+scope = (strategy or tf.distribute.get_strategy()).scope
+x, y = data(args.examples)
+sample_weight = None
+if args.emulate_workers:
+    # Worker w holds rows [w*n//W, (w+1)*n//W) of a batch of n; Keras averages each worker's
+    # local mean, so a row's weight in the global mean is n / (W * rows on its worker).
+    W, B = args.emulate_workers, args.global_batch
+    sample_weight = np.ones(len(x), np.float32)
+    for start in range(0, len(x), B):
+        n = min(B, len(x) - start)
+        for w in range(W):
+            lo, hi = w * n // W, (w + 1) * n // W
+            sample_weight[start + lo : start + hi] = n / (W * (hi - lo))
+results = {}
+for name in ("sgdm", "adam"):
+    kw = {"clipnorm": args.clipnorm} if args.clipnorm else {}
+    with scope():
+        model = compile_model(build_model(), optimizer(name, densify=args.reference, **kw))
+    history = model.fit(
+        x,
+        y,
+        sample_weight=sample_weight,
+        batch_size=args.global_batch,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+    )
+    for i, w in enumerate(model.weights):
+        results[f"{name}/w{i}"] = w.numpy()
+    results[f"{name}/iterations"] = np.array(model.optimizer.iterations.numpy())
+    results[f"{name}/loss"] = np.array(history.history["loss"])
+    results[f"{name}/evaluate"] = np.array(
+        model.evaluate(x, y, batch_size=args.global_batch, verbose=0)
+    )
+    results[f"{name}/predict"] = model.predict(x, batch_size=args.global_batch, verbose=0)
+
+task = os.environ.get("TFSTRAT_TASK", "reference").replace(":", "_")
+task += f"_emulating_{args.emulate_workers}" if args.emulate_workers else ""
+np.savez(os.path.join(args.out, f"{task}.npz"), **results)
+print("wrote", task, "evaluate", {k: v.tolist() for k, v in results.items() if "evaluate" in k})

@@ -1,0 +1,279 @@
+"""`CollectiveAllReduce`: one process per worker, synchronous all-reduce, fixed for Keras 3.
+
+Stock `MultiWorkerMirroredStrategy` fails inside Keras 3 `fit` (TF 2.21 / Keras 3.15): its
+`_reduce_to` does not map over nested structures, and `reduce(MEAN, scalar, axis=0)` of the
+per-step logs raises "Invalid reduction dimension" (keras#20585). It also runs a cross-worker
+"does any replica still have data" all-reduce every step. This subclass fixes both failures and
+drops the per-step check by giving every worker a slice of every global batch. It stays a
+`MultiWorkerMirroredStrategy`: Keras gathers `predict` outputs across workers only for those.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import tensorflow as tf
+from tensorflow.python.distribute import collective_all_reduce_strategy as _cars
+from tensorflow.python.distribute import cross_device_utils, distribute_lib, input_util
+from tensorflow.python.distribute import values as _values
+from tensorflow.python.util import nest
+
+from tfstrat.cluster import TFConfig
+from tfstrat.reduce.collective import SparseAwareAllReduce
+from tfstrat.reduce.sparse import DensityPolicy
+from tfstrat.strategies import _common
+
+logger = logging.getLogger(__name__)
+
+_SUM, _MEAN = tf.distribute.ReduceOp.SUM, tf.distribute.ReduceOp.MEAN
+DEFAULT_TIMEOUT = 300.0
+_SHUFFLE_SEED = 20190325  # any constant: the same on every worker is what matters
+
+
+def _in_nested_control_flow() -> bool:
+    """True while tracing a tf.function that is itself traced inside a while/cond."""
+    g = tf.compat.v1.get_default_graph()
+    while getattr(g, "is_control_flow_graph", False):
+        g = g.outer_graph
+    g = getattr(g, "outer_graph", None)
+    while g is not None:
+        if getattr(g, "is_control_flow_graph", False):
+            return True
+        g = getattr(g, "outer_graph", None)
+    return False
+
+
+class _Launcher(cross_device_utils.CollectiveReplicaLauncher):
+    """Instance keys from a counter variable inside nested control flow.
+
+    Keras runs `steps_per_execution > 1` steps in a while loop; there the call-time instance
+    key (cross_device_utils.py, TF 2.21) is never fed ("You must feed a value for placeholder
+    tensor 'while/cond/Placeholder'"), and a trace-time key breaks when a shape changes between
+    iterations. A counter shared by the strategy's launchers gives each launch its own key.
+    """
+
+    counter = None
+
+    def _next_instance_key(self):
+        if self._use_unique_instance_key() and _in_nested_control_flow():
+            return tf.convert_to_tensor(self.counter.assign_add(1))
+        return super()._next_instance_key()
+
+
+class _Extended(_common.KerasOptimizerHooks, _cars.CollectiveAllReduceExtended):
+    def __init__(self, container, resolver, options, local_devices, density):
+        self._local_device_count = local_devices
+        self._density = density
+        super().__init__(container, cluster_resolver=resolver, communication_options=options)
+        counter = tf.Variable(1 << 30, dtype=tf.int32, trainable=False, name="collective_key")
+        for ops in (self._cross_device_ops, self._host_cross_device_ops):
+            for launcher in ops._launchers:  # our own objects: specialised, TF is not patched
+                launcher.__class__, launcher.counter = _Launcher, counter
+
+    def _initialize_local_devices(self, cluster_resolver, worker_device):
+        if not self._local_device_count:
+            return super()._initialize_local_devices(cluster_resolver, worker_device)
+        n = self._local_device_count
+        return tuple(f"{worker_device}/device:CPU:{i}" for i in range(n)), "CPU"
+
+    def _initialize_strategy(self, cluster_resolver, devices):
+        super()._initialize_strategy(cluster_resolver, devices)
+        stock = self._cross_device_ops
+        self._cross_device_ops = SparseAwareAllReduce(
+            stock._devices,
+            stock._group_size,
+            self._communication_options,
+            self._density,
+            collective_keys=self._collective_keys,
+        )
+
+    def _experimental_distribute_dataset(self, dataset, options):
+        """Worker w takes rows [w*n//W, (w+1)*n//W) of every global batch of n rows.
+
+        Every worker sees the same number of batches, so no per-step cross-worker check for
+        exhausted input is needed. Keras batches with the global batch size; the slices keep
+        single-device order. Falls back to TensorFlow's sharding where slicing cannot apply.
+        """
+        workers = self._num_workers
+        specs = nest.flatten(dataset.element_spec)
+        per_replica = options is not None and (
+            options.experimental_replication_mode == distribute_lib.InputReplicationMode.PER_REPLICA
+        )
+        sliceable = all(isinstance(s, tf.TensorSpec) and s.shape.rank for s in specs)
+        if workers == 1 or per_replica or len(self.worker_devices) != 1 or not sliceable:
+            _log_once(
+                "input",
+                "tfstrat: input sharded by TensorFlow's auto-shard policy "
+                "(rebatch + shard; a per-step check for exhausted input runs)",
+            )
+            return super()._experimental_distribute_dataset(dataset, options)
+        _log_once("input", "tfstrat: input sharded by data: each worker slices every global batch")
+        index, is_tuple = self._id_in_cluster, type(dataset.element_spec) is tuple
+
+        def take(*args):
+            element = args if is_tuple else args[0]
+            n = tf.shape(nest.flatten(element)[0], out_type=tf.int64)[0]
+            lo, hi = (index * n) // workers, ((index + 1) * n) // workers
+            return nest.map_structure(lambda t: t[lo:hi], element)
+
+        data_options = tf.data.Options()
+        data_options.experimental_distribute.auto_shard_policy = (
+            tf.data.experimental.AutoShardPolicy.OFF
+        )
+        sliced = dataset.map(take).with_options(data_options)
+        saved = self.experimental_enable_get_next_as_optional
+        self.experimental_enable_get_next_as_optional = False
+        try:  # num_replicas_in_sync=None: no rebatch
+            return input_util.get_distributed_dataset(
+                sliced,
+                self._input_workers_with_options(options),
+                self._container_strategy(),
+                num_replicas_in_sync=None,
+                input_context=self._make_input_context(),
+                options=options,
+            )
+        finally:
+            self.experimental_enable_get_next_as_optional = saved
+
+    def _reduce_to(self, reduce_op, value, destinations, options):
+        if nest.is_nested(value):  # stock MWMS hands the whole structure to one collective
+            return nest.map_structure(
+                lambda v: self._reduce_to(reduce_op, v, destinations, options), value
+            )
+        return super()._reduce_to(reduce_op, value, destinations, options)
+
+
+_logged: set[str] = set()
+
+
+def _log_once(key: str, message: str):
+    if key not in _logged:
+        _logged.add(key)
+        logger.info(message)
+
+
+class CollectiveAllReduce(tf.distribute.MultiWorkerMirroredStrategy):
+    """Synchronous data parallelism with one process per worker, for Keras 3 `fit`.
+
+    The cluster comes from `TF_CONFIG` (or `tf_config`); without one, the process trains alone.
+    Dense gradients go out in one packed all-reduce per step (ring on CPUs, NCCL on GPUs);
+    sparse gradients are deduplicated and all-gathered in one collective, or densified above
+    the `sparse_as_dense` threshold. Clipping set on a Keras optimizer created in this scope
+    applies to the all-reduced gradient, as in single-device training. NumPy inputs shuffled by
+    Keras are shuffled alike on every worker (a shared TensorFlow seed, set if none is).
+
+    Create it first in the program, before any other TensorFlow op, on every worker alike.
+
+    Args:
+        tf_config: the cluster; None reads the `TF_CONFIG` environment variable.
+        devices: logical CPU devices per worker (split with `tfstrat.split_cpu(n)` first), or
+            None for every GPU, else one CPU.
+        communication: "auto", "nccl" or "ring".
+        pack_bytes: split dense gradients into packs of about this many bytes (overlaps
+            communication with the backward pass); None sends them in one pack.
+        sparse_as_dense: "auto", a fraction in (0, 1], True or False (`DensityPolicy`).
+        timeout: seconds a collective may wait for a peer before failing with an error.
+
+    Environment:
+        TF_CONFIG: the cluster and this task, as `tfstrat launch` or Kubeflow set it.
+
+    Example:
+        >>> # tfstrat launch --workers 2 -- python train.py, where train.py holds:
+        >>> strategy = tfstrat.CollectiveAllReduce()  # doctest: +SKIP
+        >>> with strategy.scope():  # doctest: +SKIP
+        ...     model = build_model(); model.compile(optimizer="adam", loss="mse")
+        >>> model.fit(x, y, batch_size=64)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        tf_config: TFConfig | None = None,
+        *,
+        devices: int | Sequence[str] | None = None,
+        communication: str = "auto",
+        pack_bytes: int | None = None,
+        sparse_as_dense: str | float | bool = "auto",
+        timeout: float | None = DEFAULT_TIMEOUT,
+    ):
+        tf_config = tf_config if tf_config is not None else _env_config()
+        resolver = tf_config.resolver() if tf_config else None
+        if tf_config is not None and tf_config.addresses("ps"):
+            raise ValueError(
+                f"Received: a TF_CONFIG with ps tasks {list(tf_config.addresses('ps'))}. "
+                "CollectiveAllReduce uses workers only; drop the ps tasks or use "
+                "tfstrat.ParameterServer / tfstrat.Hybrid."
+            )
+        count = devices if isinstance(devices, int) or devices is None else len(devices)
+        names = [f"/device:CPU:{i}" for i in range(count)] if count else []
+        implementation = _common.communication_implementation(
+            communication, names or [f"/device:GPU:{i}" for i in range(_num_gpus())]
+        )
+        options = tf.distribute.experimental.CommunicationOptions(
+            bytes_per_pack=pack_bytes or 0,
+            timeout_seconds=timeout,
+            implementation=implementation,
+        )
+        self.density = DensityPolicy(sparse_as_dense)
+        self.tf_config = tf_config
+        _seed_shuffles()
+        # MWMS.__init__ hard-codes its extended class; this is its body with ours.
+        distribute_lib.Strategy.__init__(
+            self, _Extended(self, resolver, options, count, self.density)
+        )
+        logger.info(
+            "tfstrat: CollectiveAllReduce, worker %d of %d, %d replica(s) in sync, %s, "
+            "timeout %s s",
+            self.extended._id_in_cluster,
+            self.extended._num_workers,
+            self.num_replicas_in_sync,
+            implementation.name.lower(),
+            timeout,
+        )
+
+    @property
+    def num_workers(self) -> int:
+        return self.extended._num_workers
+
+    @property
+    def worker_index(self) -> int:
+        return self.extended._id_in_cluster
+
+    def reduce(self, reduce_op, value, axis=None):
+        op = tf.distribute.ReduceOp(reduce_op.upper()) if isinstance(reduce_op, str) else reduce_op
+        local = lambda v: self.experimental_local_results(v)  # noqa: E731
+        if nest.is_nested(value) and op == _MEAN and axis is None:
+            # Keras's symbolic build reduces a data batch only for its shapes; a collective
+            # would fail on unequal local batches (and turn int ids into floats).
+            return nest.map_structure(lambda v: local(v)[0], value)
+        components = value.values if isinstance(value, _values.DistributedValues) else (value,)
+        if axis is not None and all(getattr(c, "shape", None) == () for c in components):
+            # Keras reduces scalar per-step logs with axis=0, which stock TF rejects
+            # (keras#20585). Per-step logs stay local (no collective per step); epoch and
+            # evaluate results come from metric variables summed over all workers.
+            values = local(value)
+            return values[0] if len(values) == 1 else tf.reduce_mean(tf.stack(values))
+        return super().reduce(op, value, axis)
+
+
+def _env_config() -> TFConfig | None:
+    import os
+
+    return TFConfig.from_env() if os.environ.get("TF_CONFIG") else None
+
+
+def _num_gpus() -> int:
+    return len(tf.config.list_physical_devices("GPU"))
+
+
+def _seed_shuffles():
+    """Keras shuffles NumPy inputs with an unseeded op: a shared global seed makes every worker
+    draw the same permutation, so slicing never repeats or drops an example."""
+    from tensorflow.python.framework import random_seed
+
+    if random_seed.get_seed(None)[0] is None:
+        tf.random.set_seed(_SHUFFLE_SEED)
+        logger.info(
+            "tfstrat: set TensorFlow's global seed to %d so every worker shuffles alike",
+            _SHUFFLE_SEED,
+        )
