@@ -72,6 +72,8 @@ def _check_against_reference(tmp_path, workers, *args, emulate=False):
     assert code == 0, out[-6000:]
     ref = _reference(tmp_path, *args, emulate=workers if emulate else 0)
     results = [np.load(tmp_path / f"worker_{i}.npz") for i in range(workers)]
+    seen = ref["shuffle/times_seen"]
+    np.testing.assert_allclose(seen, seen[0], rtol=1e-5)  # one device: each example alike
     for name in ("sgdm", "adam"):
         for i, r in enumerate(results):
             errs = relative_errors(_weights(r, name), _weights(ref, name))
@@ -79,6 +81,9 @@ def _check_against_reference(tmp_path, workers, *args, emulate=False):
             assert int(r[f"{name}/iterations"]) == int(ref[f"{name}/iterations"])
             np.testing.assert_allclose(r[f"{name}/evaluate"], ref[f"{name}/evaluate"], rtol=1e-5)
             np.testing.assert_allclose(r[f"{name}/predict"], ref[f"{name}/predict"], atol=1e-5)
+        # Every example seen as often as on one device in a shuffled epoch: the workers drew
+        # one shared permutation (else some examples are seen twice and others never).
+        np.testing.assert_allclose(r["shuffle/times_seen"], seen, rtol=1e-5)
         # The workers agree with each other too.
         for r in results[1:]:
             errs = relative_errors(_weights(r, name), _weights(results[0], name))
@@ -112,3 +117,46 @@ def test_batches_the_workers_cannot_split_evenly(tmp_path):
     README.md documents it; a global batch divisible by the replica count is exact.
     """
     _check_against_reference(tmp_path, 2, "--global-batch", "25", "--examples", "505", emulate=True)
+
+
+def test_clipping_applies_to_the_aggregated_gradient(tmp_path):
+    """Keras clips before its all-reduce; tfstrat clips the sum, as one device would."""
+    _check_against_reference(tmp_path, 2, "--clip", "global_clipnorm=0.05")
+
+
+def test_a_killed_peer_fails_the_others_within_the_timeout():
+    import subprocess
+    import time
+
+    from tfstrat import TFConfig
+
+    timeout = 20
+    config = TFConfig.local(workers=2)
+    procs = []
+    for i in range(2):
+        env = dict(os.environ, **config.for_task("worker", i).to_env(), TF_NUM_INTRAOP_THREADS="1")
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "peer_killed.py", str(timeout)],
+                env=env,
+                cwd=SCRIPTS,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+        )
+    try:
+        start = time.monotonic()
+        out, _ = procs[0].communicate(timeout=RUN_TIMEOUT)
+        elapsed = time.monotonic() - start
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert procs[0].returncode != 0, out[-3000:]
+    assert "training finished" not in out
+    # TensorFlow's gRPC error names the peer it lost.
+    assert "/job:worker/replica:0/task:1" in out, out[-3000:]
+    # Start-up (imports, tracing) plus at most one collective timeout, with a wide margin.
+    assert elapsed < 120 + timeout, elapsed

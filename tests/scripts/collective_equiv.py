@@ -17,7 +17,7 @@ parser.add_argument("out")
 parser.add_argument("--reference", action="store_true")
 parser.add_argument("--global-batch", type=int, default=24)
 parser.add_argument("--examples", type=int, default=24 * 21)
-parser.add_argument("--clipnorm", type=float, default=None)
+parser.add_argument("--clip", default=None, help="KIND=VALUE, e.g. global_clipnorm=0.1")
 parser.add_argument(
     "--emulate-workers",
     type=int,
@@ -49,7 +49,10 @@ if args.emulate_workers:
             sample_weight[start + lo : start + hi] = n / (W * (hi - lo))
 results = {}
 for name in ("sgdm", "adam"):
-    kw = {"clipnorm": args.clipnorm} if args.clipnorm else {}
+    kw = {}
+    if args.clip:
+        kind, value = args.clip.split("=")
+        kw[kind] = float(value)
     with scope():
         model = compile_model(build_model(), optimizer(name, densify=args.reference, **kw))
     history = model.fit(
@@ -69,6 +72,20 @@ for name in ("sgdm", "adam"):
         model.evaluate(x, y, batch_size=args.global_batch, verbose=0)
     )
     results[f"{name}/predict"] = model.predict(x, batch_size=args.global_batch, verbose=0)
+
+# Which examples did a shuffled epoch see? Row i of a 1-wide embedding indexed by example id
+# moves by the same step each time example i is in a batch (loss = mean output, plain SGD).
+ids = np.arange(240, dtype="int32")
+with scope():
+    import keras
+
+    probe = keras.Sequential([keras.Input((1,), dtype="int32"), keras.layers.Embedding(240, 1)])
+    probe.layers[0].embeddings.assign(np.zeros((240, 1), "float32"))
+    probe.compile(
+        optimizer=keras.optimizers.SGD(1.0), loss=lambda y, p: keras.ops.reshape(p, (-1,))
+    )
+probe.fit(ids[:, None], np.zeros(240, "float32"), batch_size=24, epochs=1, shuffle=True, verbose=0)
+results["shuffle/times_seen"] = -probe.layers[0].embeddings.numpy()[:, 0] * 24  # up to a constant
 
 task = os.environ.get("TFSTRAT_TASK", "reference").replace(":", "_")
 task += f"_emulating_{args.emulate_workers}" if args.emulate_workers else ""
