@@ -50,7 +50,9 @@ def main():
 
     import tfstrat
 
-    strategy = tfstrat.CollectiveAllReduce()  # created first: collectives start with the program
+    # First, before any other TensorFlow op: under `tfstrat launch --workers 2` this is
+    # CollectiveAllReduce (TF_CONFIG lists 2 workers); alone, TensorFlow's default strategy.
+    strategy = tfstrat.auto()
     import keras
 
     (x_train, y_train), (x_test, y_test) = load(args.data)
@@ -76,7 +78,7 @@ def main():
     loss, accuracy = model.evaluate(x_test, y_test, batch_size=args.batch_size, verbose=0)
     examples = len(x_train) * args.epochs
     print(
-        f"result: {strategy.num_workers} worker(s), test accuracy {accuracy:.4f}, "
+        f"result: {strategy.num_replicas_in_sync} replica(s), test accuracy {accuracy:.4f}, "
         f"loss {loss:.4f}, {examples / seconds:,.0f} examples/s (global, incl. first-step tracing)"
     )
 

@@ -58,3 +58,34 @@ def test_device_table_reports_no_gpu_here():
     text = info.table()
     assert any(line.split() == ["CPUs", str(info.cpu_count)] for line in text.splitlines())
     assert info.to_dict()["nccl"] is False or len(info.gpus) >= 2
+
+
+AUTO = """
+import json, os, sys
+import tfstrat
+case = sys.argv[1]
+if case == "alone":
+    import tensorflow as tf
+    s = tfstrat.auto()
+    assert s is tf.distribute.get_strategy(), s
+elif case == "ps":
+    cfg = tfstrat.TFConfig.from_hosts(worker=["127.0.0.1:2000"], ps=["127.0.0.1:2001"])
+    os.environ.update(cfg.for_task("worker", 0).to_env())
+    try:
+        tfstrat.auto()
+    except ValueError as e:
+        assert "ps tasks" in str(e), e
+    else:
+        raise AssertionError("auto() accepted ps tasks")
+print("OK")
+"""
+
+
+def test_auto_alone_and_with_ps_tasks():
+    for case in ("alone", "ps"):
+        proc = subprocess.run(
+            [sys.executable, "-c", AUTO, case], capture_output=True, text=True, timeout=120
+        )
+        assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
+        if case == "alone":
+            assert "tfstrat.auto: TensorFlow's default strategy" in proc.stderr
