@@ -72,6 +72,10 @@ def _check_against_reference(tmp_path, workers, *args, emulate=False):
     assert code == 0, out[-6000:]
     ref = _reference(tmp_path, *args, emulate=workers if emulate else 0)
     results = [np.load(tmp_path / f"worker_{i}.npz") for i in range(workers)]
+    for i, r in enumerate(results if not emulate else []):  # tf.data, steps_per_execution=3
+        errs = relative_errors(_weights(r, "dataset"), _weights(ref, "dataset"))
+        assert max(errs) <= TOLERANCE, ("dataset", i, errs)
+        assert int(r["dataset/iterations"]) == 12
     seen = ref["shuffle/times_seen"]
     np.testing.assert_allclose(seen, seen[0], rtol=1e-5)  # one device: each example alike
     for name in ("sgdm", "adam"):
@@ -81,6 +85,7 @@ def _check_against_reference(tmp_path, workers, *args, emulate=False):
             assert int(r[f"{name}/iterations"]) == int(ref[f"{name}/iterations"])
             np.testing.assert_allclose(r[f"{name}/evaluate"], ref[f"{name}/evaluate"], rtol=1e-5)
             np.testing.assert_allclose(r[f"{name}/predict"], ref[f"{name}/predict"], atol=1e-5)
+            np.testing.assert_allclose(r[f"{name}/val_loss"], ref[f"{name}/val_loss"], rtol=1e-5)
         # Every example seen as often as on one device in a shuffled epoch: the workers drew
         # one shared permutation (else some examples are seen twice and others never).
         np.testing.assert_allclose(r["shuffle/times_seen"], seen, rtol=1e-5)

@@ -63,7 +63,9 @@ for name in ("sgdm", "adam"):
         epochs=2,
         shuffle=False,
         verbose=0,
+        validation_data=(x[:48], y[:48]),
     )
+    results[f"{name}/val_loss"] = np.array(history.history["val_loss"])
     for i, w in enumerate(model.weights):
         results[f"{name}/w{i}"] = w.numpy()
     results[f"{name}/iterations"] = np.array(model.optimizer.iterations.numpy())
@@ -72,6 +74,18 @@ for name in ("sgdm", "adam"):
         model.evaluate(x, y, batch_size=args.global_batch, verbose=0)
     )
     results[f"{name}/predict"] = model.predict(x, batch_size=args.global_batch, verbose=0)
+
+# A tf.data input with steps_per_epoch, and steps_per_execution > 1 (Keras runs the steps in a
+# while loop, where stock collectives fail to get their instance keys).
+dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.global_batch).repeat()
+with scope():
+    model = compile_model(
+        build_model(), optimizer("sgdm", densify=args.reference), steps_per_execution=3
+    )
+model.fit(dataset, steps_per_epoch=6, epochs=2, verbose=0)
+for i, w in enumerate(model.weights):
+    results[f"dataset/w{i}"] = w.numpy()
+results["dataset/iterations"] = np.array(model.optimizer.iterations.numpy())
 
 # Which examples did a shuffled epoch see? Row i of a 1-wide embedding indexed by example id
 # moves by the same step each time example i is in a batch (loss = mean output, plain SGD).

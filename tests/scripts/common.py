@@ -53,10 +53,11 @@ def optimizer(name: str, densify: bool = False, **kw):
     return Densified(**args)
 
 
-def compile_model(model, opt):
+def compile_model(model, opt, **kw):
     import keras
 
     model.compile(
+        **kw,
         optimizer=opt,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],

@@ -205,6 +205,8 @@ class CollectiveAllReduce(tf.distribute.MultiWorkerMirroredStrategy):
                 "tfstrat.ParameterServer / tfstrat.Hybrid."
             )
         count = devices if isinstance(devices, int) or devices is None else len(devices)
+        if count and count > 1:
+            _check_cpu_split(count)
         names = [f"/device:CPU:{i}" for i in range(count)] if count else []
         implementation = _common.communication_implementation(
             communication, names or [f"/device:GPU:{i}" for i in range(_num_gpus())]
@@ -260,6 +262,16 @@ def _env_config() -> TFConfig | None:
     import os
 
     return TFConfig.from_env() if os.environ.get("TF_CONFIG") else None
+
+
+def _check_cpu_split(count: int):
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    have = len(tf.config.get_logical_device_configuration(cpu) or [None])
+    if have < count:
+        raise ValueError(
+            f"Received: devices={count} with the CPU split into {have} logical device(s). "
+            f"Call tfstrat.split_cpu({count}) before creating the strategy."
+        )
 
 
 def _num_gpus() -> int:
