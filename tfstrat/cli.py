@@ -100,6 +100,32 @@ def _cmd_server(args) -> int:
     return 0
 
 
+def _cmd_bench(args) -> int:
+    from tfstrat.bench.scaling import ScalingConfig, run
+
+    if args.quick:  # the smoke test's size: seconds per row, numbers meaningless
+        args.steps, args.repeats, args.image, args.batch_per_device = 3, 1, 16, 8
+    workers = [int(w) for w in _csv(args.workers)]
+    if not workers or min(workers) < 1:
+        print(f"tfstrat bench: --workers {args.workers!r} must list counts >= 1", file=sys.stderr)
+        return EXIT_USAGE
+    config = ScalingConfig(
+        workers=workers,
+        devices_per_worker=args.devices_per_worker,
+        model=args.model,
+        batch_per_device=args.batch_per_device,
+        image=args.image,
+        steps=args.steps,
+        repeats=args.repeats,
+        peer=args.peer,
+        threads=args.threads_per_worker,
+        out=args.out,
+    )
+    rows = run(config)
+    print(open(f"{config.out}/scaling.md").read())
+    return 0 if all("error" not in r for r in rows if not r["row"].startswith("S")) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tfstrat", description="Distribution strategies for TensorFlow 2 and Keras 3."
@@ -142,6 +168,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ARGS...")
     p.set_defaults(run=_cmd_launch)
+
+    p = sub.add_parser(
+        "bench", help="benchmarks: scaling (the seed's Mirrored vs Collective table)"
+    )
+    p.add_argument("name", choices=["scaling"])
+    g = p.add_argument_group("Cluster")
+    g.add_argument(
+        "--workers", default=_env("bench-workers", "1,2"), help="worker counts, e.g. 1,2,3"
+    )
+    g.add_argument("--devices-per-worker", type=int, default=_env("devices-per-worker", 1, int))
+    g.add_argument("--threads-per-worker", type=int, default=_env("threads-per-worker", None, int))
+    g = p.add_argument_group("Workload")
+    g.add_argument("--model", choices=["small", "resnet50"], default=_env("model"))
+    g.add_argument("--batch-per-device", type=int, default=_env("batch-per-device", None, int))
+    g.add_argument("--image", type=int, default=_env("image", None, int), help="image side")
+    g.add_argument(
+        "--steps", type=int, default=_env("steps", 20, int), help="steps per timed epoch"
+    )
+    g.add_argument("--repeats", type=int, default=_env("repeats", 3, int), help="timed epochs")
+    g = p.add_argument_group("Output")
+    g.add_argument("--peer", action="store_true", default=_env("peer", False, bool))
+    g.add_argument("--quick", action="store_true", help="tiny sizes, for smoke tests")
+    g.add_argument("--out", default=_env("out", "bench-out"), help="directory for NAME.md/json/png")
+    p.set_defaults(run=_cmd_bench)
 
     p = sub.add_parser("server", help="run this host's ps task (from TF_CONFIG) until stopped")
     p.add_argument("--task", default=_env("task"), help="TYPE:INDEX, default TF_CONFIG's task")

@@ -1,0 +1,25 @@
+"""Smoke test of the benchmarks: they run and write their files. Never a speed."""
+
+import json
+
+import pytest
+
+from tfstrat.cli import main
+
+pytestmark = pytest.mark.cluster
+
+
+def test_scaling_quick_writes_the_table(tmp_path, capsys):
+    code = main(["bench", "scaling", "--quick", "--workers", "1,2", "--out", str(tmp_path)])
+    assert code == 0, capsys.readouterr()
+    for ext in ("md", "json", "png"):
+        assert (tmp_path / f"scaling.{ext}").stat().st_size > 0
+    rows = json.loads((tmp_path / "scaling.json").read_text())
+    assert [r["row"] for r in rows] == ["P-1", "P-all", "A-1", "A-2", "B-1", "B-2"]
+    for r in rows:
+        assert "error" not in r, r
+        assert r["examples_per_s"] > 0 and r["machine"]["cpus"] >= 1
+        assert r["global_batch"] == 8 * r["total_devices"]
+    assert rows[-1]["efficiency"] > 0
+    table = (tmp_path / "scaling.md").read_text()
+    assert "| B-2 | CollectiveAllReduce | 2 | 1 | 2 |" in table

@@ -1,0 +1,82 @@
+"""Running benchmark rows as real processes, and writing NAME.md / NAME.json / NAME.png."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import platform
+import sys
+from collections.abc import Sequence
+
+from tfstrat.launch import LaunchConfig, launch
+
+
+def machine() -> dict:
+    """What every row records about the machine it ran on."""
+    from tfstrat.devices import devices
+
+    info = devices()
+    return {
+        "cpus": info.cpu_count,
+        "gpus": len(info.gpus),
+        "tensorflow": info.tensorflow_version,
+        "keras": info.keras_version,
+        "python": platform.python_version(),
+    }
+
+
+def run_row(
+    module: str,
+    config: dict,
+    *,
+    workers: int,
+    threads: int | None,
+    env: dict | None = None,
+    timeout: float = 900,
+) -> dict:
+    """Runs `python -m MODULE CONFIG` on `workers` tasks; returns worker 0's RESULT, or an error.
+
+    A row that fails (a stock peer that crashes, say) returns `{"error": "..."}` naming the
+    first line of the failure, so the table can say how it failed.
+    """
+    out = io.StringIO()
+    command = [sys.executable, "-m", module, json.dumps(config)]
+    code = launch(
+        LaunchConfig(command, workers=workers, threads_per_task=threads, timeout=timeout, env=env),
+        out,
+    )
+    lines = out.getvalue().splitlines()
+    for line in lines:
+        prefix, _, rest = line.partition(" ")
+        if prefix in ("[worker:0]", "[chief:0]") and rest.startswith("RESULT "):
+            return json.loads(rest[len("RESULT ") :])
+    errors = [line for line in lines if "Error" in line and "Traceback" not in line]
+    return {"error": (errors[-1] if errors else f"exit code {code}")[-300:]}
+
+
+def write(out_dir: str, name: str, rows: Sequence[dict], table: str, plot) -> list[str]:
+    """Writes NAME.md (the table), NAME.json (the rows) and NAME.png (`plot(ax, rows)`)."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = [os.path.join(out_dir, f"{name}.{ext}") for ext in ("md", "json", "png")]
+    with open(paths[0], "w") as f:
+        f.write(table + "\n")
+    with open(paths[1], "w") as f:
+        json.dump(list(rows), f, indent=1)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.8))
+    plot(ax, rows)
+    fig.tight_layout()
+    fig.savefig(paths[2], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def markdown(headers: Sequence[str], body: Sequence[Sequence]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in body]
+    return "\n".join(lines)

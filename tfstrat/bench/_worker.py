@@ -1,0 +1,127 @@
+"""One benchmark process: trains a model on synthetic images and prints `RESULT {json}`.
+
+Run by the benchmark drivers through `tfstrat launch`, one per task:
+    python -m tfstrat.bench._worker '{"strategy": "collective", "model": "small", ...}'
+
+Strategies: "none" (no strategy), "mirrored" (MirroredNCCL), "collective"
+(CollectiveAllReduce), and the stock peers "tfkeras-none", "tfkeras-mirrored", "tfkeras-mwms"
+(tf-keras, TF_USE_LEGACY_KERAS=1) and "keras3-mwms" (stock MWMS under Keras 3).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+
+def _strategy(tf, name: str, devices: int):
+    """Creates the strategy first, before any other op (collectives start with the program)."""
+    if devices > 1:
+        import tfstrat
+
+        tfstrat.split_cpu(devices)
+    cpus = [f"/device:CPU:{i}" for i in range(devices)]
+    if name in ("none", "tfkeras-none"):
+        return None
+    if name == "mirrored":
+        import tfstrat
+
+        return tfstrat.MirroredNCCL(timeout=120)
+    if name == "collective":
+        import tfstrat
+
+        return tfstrat.CollectiveAllReduce(devices=devices if devices > 1 else None, timeout=120)
+    if name == "tfkeras-mirrored":
+        return tf.distribute.MirroredStrategy(
+            cpus if not tf.config.list_physical_devices("GPU") else None
+        )
+    if name in ("tfkeras-mwms", "keras3-mwms"):
+        options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=120)
+        return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    raise ValueError(f"Received: strategy={name!r}. Unknown benchmark strategy.")
+
+
+def _model(keras, name: str, image: int):
+    if name == "resnet50":
+        return keras.applications.ResNet50(weights=None, input_shape=(image, image, 3), classes=10)
+    layers = keras.layers
+    inputs = keras.Input((image, image, 3))
+    x = layers.Conv2D(32, 3, padding="same", activation="relu")(inputs)
+    for filters in (32, 64):  # two residual stages, ResNet-like
+        shortcut = layers.Conv2D(filters, 1, strides=2)(x)
+        y = layers.Conv2D(filters, 3, strides=2, padding="same", activation="relu")(x)
+        y = layers.Conv2D(filters, 3, padding="same")(y)
+        x = layers.Activation("relu")(layers.Add()([shortcut, y]))
+    x = layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, layers.Dense(10)(x))
+
+
+def main(config: dict) -> dict:
+    threads = int(config.get("threads") or 0)
+    import tensorflow as tf
+
+    if threads:  # thread pools are configuration: set before the runtime starts
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        tf.config.threading.set_inter_op_parallelism_threads(2)
+    devices = int(config.get("devices", 1))
+    strategy = _strategy(tf, config["strategy"], devices)
+    if config["strategy"].startswith("tfkeras"):
+        import tf_keras as keras
+    else:
+        import keras
+    import numpy as np
+
+    replicas = strategy.num_replicas_in_sync if strategy else 1
+    global_batch = int(config["batch_per_device"]) * replicas
+    image = int(config["image"])
+    rng = np.random.default_rng(0)
+    n = global_batch * 4
+    x = rng.random((n, image, image, 3), dtype=np.float32)
+    y = rng.integers(0, 10, n).astype("int32")
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch, drop_remainder=True)
+    data = data.repeat().prefetch(2)
+    scope = strategy.scope() if strategy else tf.distribute.get_strategy().scope()
+    with scope:
+        model = _model(keras, config["model"], image)
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+
+    class Clock(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            self.seconds = []
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.start = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.seconds.append(time.perf_counter() - self.start)
+
+    clock = Clock()
+    steps, repeats = int(config["steps"]), int(config["repeats"])
+    model.fit(data, steps_per_epoch=steps, epochs=1 + repeats, verbose=0, callbacks=[clock])
+    timed = clock.seconds[1:]  # epoch 0 traces and warms up
+    rates = [steps * global_batch / s for s in timed]
+    return {
+        "replicas": replicas,
+        "global_batch": global_batch,
+        "threads": tf.config.threading.get_intra_op_parallelism_threads(),
+        "warmup_s": clock.seconds[0],
+        "epoch_s": timed,
+        "steps_per_s": statistics.median(steps / s for s in timed),
+        "examples_per_s": statistics.median(rates),
+        "examples_per_s_min": min(rates),
+        "examples_per_s_max": max(rates),
+        "keras": getattr(keras, "__version__", "?"),
+        "tensorflow": tf.__version__,
+    }
+
+
+if __name__ == "__main__":
+    result = main(json.loads(sys.argv[1]))
+    result["task"] = os.environ.get("TFSTRAT_TASK", "worker:0")
+    print("RESULT " + json.dumps(result), flush=True)
