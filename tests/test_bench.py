@@ -23,3 +23,18 @@ def test_scaling_quick_writes_the_table(tmp_path, capsys):
     assert rows[-1]["efficiency"] > 0
     table = (tmp_path / "scaling.md").read_text()
     assert "| B-2 | CollectiveAllReduce | 2 | 1 | 2 |" in table
+
+
+def test_allreduce_quick_writes_the_table(tmp_path, capsys):
+    code = main(
+        ["bench", "allreduce", "--quick", "--peer", "--workers", "2", "--out", str(tmp_path)]
+    )
+    assert code == 0, capsys.readouterr()
+    rows = json.loads((tmp_path / "allreduce.json").read_text())
+    assert [r["bytes"] for r in rows] == [4, 64, 1024, 16384]
+    for r in rows:
+        assert r["workers"] == 2 and r["tcp_GBps"] > 0
+        for impl in ("tfstrat", "stock"):
+            assert r[f"{impl}_ms"] > 0
+            assert r[f"{impl}_busbw_GBps"] == pytest.approx(r[f"{impl}_algbw_GBps"])  # 2(n-1)/n = 1
+    assert (tmp_path / "allreduce.png").stat().st_size > 0

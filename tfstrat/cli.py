@@ -101,29 +101,47 @@ def _cmd_server(args) -> int:
 
 
 def _cmd_bench(args) -> int:
-    from tfstrat.bench.scaling import ScalingConfig, run
-
-    if args.quick:  # the smoke test's size: seconds per row, numbers meaningless
-        args.steps, args.repeats, args.image, args.batch_per_device = 3, 1, 16, 8
-    workers = [int(w) for w in _csv(args.workers)]
-    if not workers or min(workers) < 1:
+    workers = [int(w) for w in _csv(args.workers) if w.isdigit()]
+    if not workers or min(workers) < 1 or len(workers) != len(_csv(args.workers)):
         print(f"tfstrat bench: --workers {args.workers!r} must list counts >= 1", file=sys.stderr)
         return EXIT_USAGE
-    config = ScalingConfig(
-        workers=workers,
-        devices_per_worker=args.devices_per_worker,
-        model=args.model,
-        batch_per_device=args.batch_per_device,
-        image=args.image,
-        steps=args.steps,
-        repeats=args.repeats,
-        peer=args.peer,
-        threads=args.threads_per_worker,
-        out=args.out,
-    )
-    rows = run(config)
-    print(open(f"{config.out}/scaling.md").read())
-    return 0 if all("error" not in r for r in rows if not r["row"].startswith("S")) else 1
+    if args.name == "allreduce":
+        from tfstrat.bench.allreduce import DEFAULT_SIZES, AllReduceConfig
+        from tfstrat.bench.allreduce import run as run_allreduce
+
+        sizes = DEFAULT_SIZES[:4] if args.quick else DEFAULT_SIZES
+        config = AllReduceConfig(
+            workers=max(workers),
+            sizes=sizes,
+            iters=3 if args.quick else 10,
+            peer=args.peer,
+            out=args.out,
+        )
+        rows = run_allreduce(config)
+        ok = all("tfstrat_ms" in r for r in rows)
+    else:
+        from tfstrat.bench.scaling import ScalingConfig
+        from tfstrat.bench.scaling import run as run_scaling
+
+        if args.quick:  # the smoke test's size: seconds per row, numbers meaningless
+            args.steps, args.repeats, args.image, args.batch_per_device = 3, 1, 16, 8
+        config = ScalingConfig(
+            workers=workers,
+            devices_per_worker=args.devices_per_worker,
+            model=args.model,
+            batch_per_device=args.batch_per_device,
+            image=args.image,
+            steps=args.steps,
+            repeats=args.repeats,
+            peer=args.peer,
+            threads=args.threads_per_worker,
+            out=args.out,
+        )
+        rows = run_scaling(config)
+        ok = all("error" not in r for r in rows if not r["row"].startswith("S"))
+    with open(f"{args.out}/{args.name}.md") as f:
+        print(f.read())
+    return 0 if ok else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -170,9 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_cmd_launch)
 
     p = sub.add_parser(
-        "bench", help="benchmarks: scaling (the seed's Mirrored vs Collective table)"
+        "bench", help="benchmarks: scaling (the seed's table), allreduce (latency, bandwidth)"
     )
-    p.add_argument("name", choices=["scaling"])
+    p.add_argument("name", choices=["scaling", "allreduce"])
     g = p.add_argument_group("Cluster")
     g.add_argument(
         "--workers", default=_env("bench-workers", "1,2"), help="worker counts, e.g. 1,2,3"
