@@ -119,6 +119,16 @@ def _cmd_bench(args) -> int:
         )
         rows = run_allreduce(config)
         ok = all("tfstrat_ms" in r for r in rows)
+    elif args.name == "sparse":
+        from tfstrat.bench.sparse import SparseConfig
+        from tfstrat.bench.sparse import run as run_sparse
+
+        quick = dict(vocab=5000, steps=3, repeats=1, batch_per_device=8) if args.quick else {}
+        config = SparseConfig(
+            workers=[w for w in workers if w > 1] or [2], peer=args.peer, out=args.out, **quick
+        )
+        rows = run_sparse(config)
+        ok = all("error" not in r for r in rows if not r["row"].startswith("S"))
     else:
         from tfstrat.bench.scaling import ScalingConfig
         from tfstrat.bench.scaling import run as run_scaling
@@ -188,9 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_cmd_launch)
 
     p = sub.add_parser(
-        "bench", help="benchmarks: scaling (the seed's table), allreduce (latency, bandwidth)"
+        "bench", help="benchmarks: scaling (the seed's table), sparse (embeddings), allreduce"
     )
-    p.add_argument("name", choices=["scaling", "allreduce"])
+    p.add_argument("name", choices=["scaling", "sparse", "allreduce"])
     g = p.add_argument_group("Cluster")
     g.add_argument(
         "--workers", default=_env("bench-workers", "1,2"), help="worker counts, e.g. 1,2,3"

@@ -44,6 +44,48 @@ def _strategy(tf, name: str, devices: int):
     raise ValueError(f"Received: strategy={name!r}. Unknown benchmark strategy.")
 
 
+def _sparse_model(keras, vocab: int, dim: int, seq: int, classes: int):
+    """LM1B-like: a large embedding table and a small dense head with real compute."""
+    layers = keras.layers
+    inputs = keras.Input((seq,), dtype="int32")
+    x = layers.Embedding(vocab, dim)(inputs)
+    x = layers.Conv1D(256, 3, padding="same", activation="relu")(x)
+    x = layers.Conv1D(256, 3, padding="same", activation="relu")(x)
+    x = layers.GlobalAveragePooling1D()(x)
+    x = layers.Dense(256, activation="relu")(x)
+    return keras.Model(inputs, layers.Dense(classes)(x))
+
+
+def _data(tf, np, config: dict, global_batch: int):
+    rng = np.random.default_rng(0)
+    n = global_batch * 4
+    if config.get("workload") == "sparse":
+        seq, vocab = int(config["seq"]), int(config["vocab"])
+        x = ((rng.zipf(1.2, (n, seq)) - 1) % vocab).astype("int32")  # Zipf-distributed ids
+        y = (x[:, 0] % int(config["classes"])).astype("int32")
+    else:
+        image = int(config["image"])
+        x = rng.random((n, image, image, 3), dtype=np.float32)
+        y = rng.integers(0, 10, n).astype("int32")
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch, drop_remainder=True)
+    return data.repeat().prefetch(2)
+
+
+def _build(keras, config: dict):
+    if config.get("workload") == "sparse":
+        model = _sparse_model(
+            keras,
+            int(config["vocab"]),
+            int(config["dim"]),
+            int(config["seq"]),
+            int(config["classes"]),
+        )
+        return model, keras.optimizers.Adagrad(0.1)
+    return _model(keras, config["model"], int(config["image"])), keras.optimizers.SGD(
+        0.01, momentum=0.9
+    )
+
+
 def _model(keras, name: str, image: int):
     if name == "resnet50":
         return keras.applications.ResNet50(weights=None, input_shape=(image, image, 3), classes=10)
@@ -76,18 +118,12 @@ def main(config: dict) -> dict:
 
     replicas = strategy.num_replicas_in_sync if strategy else 1
     global_batch = int(config["batch_per_device"]) * replicas
-    image = int(config["image"])
-    rng = np.random.default_rng(0)
-    n = global_batch * 4
-    x = rng.random((n, image, image, 3), dtype=np.float32)
-    y = rng.integers(0, 10, n).astype("int32")
-    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch, drop_remainder=True)
-    data = data.repeat().prefetch(2)
+    data = _data(tf, np, config, global_batch)
     scope = strategy.scope() if strategy else tf.distribute.get_strategy().scope()
     with scope:
-        model = _model(keras, config["model"], image)
+        model, optimizer = _build(keras, config)
         model.compile(
-            optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+            optimizer=optimizer,
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
 
@@ -100,13 +136,21 @@ def main(config: dict) -> dict:
 
         def on_epoch_end(self, epoch, logs=None):
             self.seconds.append(time.perf_counter() - self.start)
+            self.loss = float(logs.get("loss", float("nan")))
 
     clock = Clock()
     steps, repeats = int(config["steps"]), int(config["repeats"])
     model.fit(data, steps_per_epoch=steps, epochs=1 + repeats, verbose=0, callbacks=[clock])
     timed = clock.seconds[1:]  # epoch 0 traces and warms up
     rates = [steps * global_batch / s for s in timed]
+    ops = getattr(getattr(strategy, "extended", None), "_cross_device_ops", None)
+    sent = ops.bytes_sent_per_worker() if hasattr(ops, "bytes_sent_per_worker") else None
+    import resource
+
     return {
+        "bytes_sent_per_step": sent if replicas > 1 else 0,
+        "final_loss": clock.loss,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "replicas": replicas,
         "global_batch": global_batch,
         "threads": tf.config.threading.get_intra_op_parallelism_threads(),

@@ -31,9 +31,30 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
         #: What replica 0 sent, recorded at trace time: `("all_reduce", [shapes])` for a dense
         #: pack, `("all_gather", shape)` for a packed sparse gradient. For tests and debugging.
         self.traced: list[tuple] = []
+        #: `(kind, bytes this worker hands to the collective)` for the last traced call
+        #: (a training step's gradients, when the last function traced was a train step).
+        self.last_call: list[tuple[str, int]] = []
+
+    def _record(self, replica_id, kind, shapes, tensors):
+        if replica_id != 0 or tf.executing_eagerly():  # traced steps only, not metric reads
+            return
+        self.traced.append((kind, shapes))
+        nbytes = sum(t.shape.num_elements() * t.dtype.size for t in tensors)
+        self.last_call.append((kind, nbytes))
+
+    def bytes_sent_per_worker(self) -> int:
+        """Bytes one worker sends for the last traced call, by ring-collective arithmetic:
+        an all-reduce of S bytes sends 2(n-1)/n x S; an all-gather of S sends (n-1) x S."""
+        n = self._group_size
+        total = 0
+        for kind, nbytes in self.last_call:
+            total += nbytes * (2 * (n - 1) / n if kind == "all_reduce" else n - 1)
+        return int(total)
 
     def _all_reduce(self, reduce_op, value, replica_id, options):
         flat = nest.flatten(value)
+        if replica_id == 0 and not tf.executing_eagerly():
+            self.last_call = []
         rows = {}  # position -> static row count before dedup (dedup's count is dynamic)
         for i, v in enumerate(flat):
             if isinstance(v, tf.IndexedSlices):
@@ -46,8 +67,8 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
                     del rows[i]
         dense_at = [i for i in range(len(flat)) if i not in rows]
         if dense_at:
-            if replica_id == 0:
-                self.traced.append(("all_reduce", [tuple(flat[i].shape) for i in dense_at]))
+            dense = [flat[i] for i in dense_at]
+            self._record(replica_id, "all_reduce", [tuple(t.shape) for t in dense], dense)
             reduced = super()._all_reduce(
                 reduce_op, [flat[i] for i in dense_at], replica_id, options
             )
@@ -65,8 +86,7 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
                 gathered = sparse.dedup(launcher.all_reduce_indexed_slices(slices, options))
             else:
                 packed = sparse.pack_rows(slices, rows)
-                if replica_id == 0:
-                    self.traced.append(("all_gather", tuple(packed.shape)))
+                self._record(replica_id, "all_gather", tuple(packed.shape), [packed])
                 gathered = sparse.unpack_rows(launcher.all_gather(packed, 0, options), slices)
             if reduce_op == tf.distribute.ReduceOp.MEAN:
                 gathered = tf.IndexedSlices(

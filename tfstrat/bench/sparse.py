@@ -1,0 +1,142 @@
+"""`tfstrat bench sparse`: an embedding-heavy, LM1B-like model, where Parallax showed its gains.
+
+A 200,000 x 64 embedding of Zipf-distributed ids, two Conv1D layers and a small dense head,
+Adagrad. Rows: one process (one thread, all cores), CollectiveAllReduce, and the stock peers.
+ParameterServer and Hybrid rows come when those strategies land.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+
+from tfstrat.bench import _report
+
+logger = logging.getLogger(__name__)
+WORKER = "tfstrat.bench._worker"
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseConfig:
+    workers: Sequence[int] = (2,)
+    vocab: int = 200_000
+    dim: int = 64
+    seq: int = 20
+    classes: int = 1000
+    batch_per_device: int = 64
+    steps: int = 20
+    repeats: int = 3
+    peer: bool = False
+    threads: int | None = None
+    out: str = "bench-out"
+
+
+def _rows(c: SparseConfig, cpus: int) -> list[dict]:
+    t = c.threads or max(1, cpus // max(c.workers))
+    legacy = {"TF_USE_LEGACY_KERAS": "1"}
+    rows = [
+        ("P-1", "one process, no strategy", "none", 1, t, None),
+        ("P-all", "one process, no strategy, all cores", "none", 1, cpus, None),
+    ]
+    rows += [(f"C-{w}", "CollectiveAllReduce", "collective", w, t, None) for w in c.workers]
+    if c.peer:
+        rows.append(("S-1", "stock, tf-keras, no strategy", "tfkeras-none", 1, t, legacy))
+        rows += [
+            (f"S-B-{w}", "stock MultiWorkerMirrored, tf-keras", "tfkeras-mwms", w, t, legacy)
+            for w in c.workers
+            if w > 1
+        ]
+    keys = ("row", "label", "strategy", "workers", "threads", "env")
+    return [dict(zip(keys, r)) for r in rows]
+
+
+def run(config: SparseConfig) -> list[dict]:
+    machine = _report.machine()
+    rows = _rows(config, machine["cpus"])
+    base = {
+        "workload": "sparse",
+        "vocab": config.vocab,
+        "dim": config.dim,
+        "seq": config.seq,
+        "classes": config.classes,
+        "batch_per_device": config.batch_per_device,
+        "steps": config.steps,
+        "repeats": config.repeats,
+        "devices": 1,
+    }
+    table_bytes = config.vocab * config.dim * 4
+    for i, row in enumerate(rows, 1):
+        result = _report.run_row(
+            WORKER,
+            {**base, "strategy": row["strategy"], "threads": row["threads"]},
+            workers=row["workers"],
+            threads=row["threads"],
+            env=row.pop("env"),
+        )
+        row.update(result, machine=machine, table_bytes=table_bytes)
+        speed = f"{row['examples_per_s']:,.0f} ex/s" if "examples_per_s" in row else row["error"]
+        logger.info("[%d/%d] %s %s: %s", i, len(rows), row["row"], row["label"], speed)
+    one = rows[0].get("examples_per_s")
+    for r in rows:
+        r["vs_P1"] = r["examples_per_s"] / one if one and "examples_per_s" in r else None
+    _report.write(config.out, "sparse", rows, table(rows, config), _plot)
+    return rows
+
+
+def table(rows, c: SparseConfig) -> str:
+    headers = [
+        "row",
+        "strategy",
+        "workers",
+        "examples/s (min-max)",
+        "vs P-1",
+        "bytes sent/step/worker",
+        "% of table",
+        "final loss",
+        "peak RSS MB",
+    ]
+    body = []
+    for r in rows:
+        if "error" in r:
+            body.append(
+                [r["row"], r["label"], r["workers"], f"failed: {r['error'][:120]}"] + ["-"] * 5
+            )
+            continue
+        sent = r.get("bytes_sent_per_step")
+        body.append(
+            [
+                r["row"],
+                r["label"],
+                r["workers"],
+                f"{r['examples_per_s']:,.0f} ({r['examples_per_s_min']:,.0f}-{r['examples_per_s_max']:,.0f})",
+                f"{r['vs_P1']:.2f}",
+                f"{sent:,}" if sent is not None else "not measured",
+                f"{100 * sent / r['table_bytes']:.2f}%" if sent is not None else "-",
+                f"{r['final_loss']:.4f}",
+                f"{r['peak_rss_mb']:,.0f}",
+            ]
+        )
+    m = rows[0]["machine"] if rows else {}
+    return _report.markdown(headers, body) + (
+        f"\n\nEmbedding {c.vocab:,} x {c.dim} (float32, {c.vocab * c.dim * 4 / 2**20:.0f} MiB), "
+        f"{c.seq} Zipf-distributed ids per example, Conv1D x2 + dense head, Adagrad, "
+        f"{c.batch_per_device} examples per worker per step; median of {c.repeats} timed "
+        f"epochs of {c.steps} steps after a warm-up epoch. Bytes sent: what tfstrat hands "
+        "its collectives per step (ring arithmetic: 2(n-1)/n x S for an all-reduce of S bytes, "
+        f"(n-1) x S for an all-gather). Machine: {m.get('cpus')} CPUs, TensorFlow "
+        f"{m.get('tensorflow')}, Keras {m.get('keras')}."
+    )
+
+
+def _plot(ax, rows):
+    ok = [r for r in rows if "examples_per_s" in r]
+    ax.barh(
+        range(len(ok)),
+        [r["examples_per_s"] for r in ok],
+        color=["tab:blue" if r["strategy"] == "collective" else "tab:gray" for r in ok],
+    )
+    ax.set_yticks(range(len(ok)), [f"{r['row']} {r['label']} (x{r['workers']})" for r in ok])
+    ax.invert_yaxis()
+    ax.set_xlabel("examples/s (median)")
+    ax.set_title("tfstrat bench sparse: 200k x 64 embedding, Zipf ids, Adagrad")
