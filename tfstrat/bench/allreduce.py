@@ -18,7 +18,7 @@ from tfstrat.bench import _report
 
 logger = logging.getLogger(__name__)
 WORKER = "tfstrat.bench._allreduce_worker"
-DEFAULT_SIZES = tuple(4 * 16**k for k in range(7)) + (64 * 2**20,)  # 4 B .. 64 MiB
+DEFAULT_SIZES = tuple(4 * 16**k for k in range(7))  # 4 B .. 64 MiB
 
 
 @dataclasses.dataclass(frozen=True)
