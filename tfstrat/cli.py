@@ -123,9 +123,15 @@ def _cmd_bench(args) -> int:
         from tfstrat.bench.sparse import SparseConfig
         from tfstrat.bench.sparse import run as run_sparse
 
-        quick = dict(vocab=5000, steps=3, repeats=1, batch_per_device=8) if args.quick else {}
+        sizes = dict(steps=args.steps, repeats=args.repeats)
+        if args.quick:
+            sizes = dict(vocab=5000, steps=3, repeats=1, batch_per_device=8)
         config = SparseConfig(
-            workers=[w for w in workers if w > 1] or [2], peer=args.peer, out=args.out, **quick
+            workers=[w for w in workers if w > 1] or [2],
+            peer=args.peer,
+            threads=args.threads_per_worker,
+            out=args.out,
+            **sizes,
         )
         rows = run_sparse(config)
         ok = all("error" not in r for r in rows if not r["row"].startswith("S"))
