@@ -91,27 +91,19 @@ def _take_over_clipping(optimizer):
     optimizer._tfstrat_clipping = True
 
 
-class KerasOptimizerHooks:
-    """Mixin for a strategy's extended class: adopts Keras optimizers created in its scope.
+class AdoptsKerasOptimizers:
+    """Strategy mixin: takes over the clipping of the Keras optimizer that `fit` steps.
 
-    Keras optimizers do not tell the strategy they exist; their first variable (`iteration`)
-    is created under the strategy's scope from inside the optimizer's `__init__`, which is
-    where tfstrat finds them (a look up the Python stack, once per variable created).
+    Keras's train step reaches the strategy as `strategy.run(model.train_step, ...)`: a bound
+    method, so the model and its optimizer are at hand before the step is traced. (An earlier
+    version looked for optimizers up the Python stack at variable creation; reading frames'
+    locals is avoided on purpose.)
     """
 
-    def _create_variable(self, next_creator, **kwargs):
-        import sys
-
+    def run(self, fn, args=(), kwargs=None, options=None):
         from keras.optimizers import Optimizer
 
-        frame = sys._getframe(1)
-        for _ in range(40):
-            if frame is None:
-                break
-            owner = frame.f_locals.get("self")
-            if isinstance(owner, Optimizer):
-                if not getattr(owner, "_tfstrat_clipping", False):
-                    _take_over_clipping(owner)
-                break
-            frame = frame.f_back
-        return super()._create_variable(next_creator, **kwargs)
+        optimizer = getattr(getattr(fn, "__self__", None), "optimizer", None)
+        if isinstance(optimizer, Optimizer) and not getattr(optimizer, "_tfstrat_clipping", False):
+            _take_over_clipping(optimizer)
+        return super().run(fn, args=args, kwargs=kwargs, options=options)

@@ -61,7 +61,7 @@ class _Launcher(cross_device_utils.CollectiveReplicaLauncher):
         return super()._next_instance_key()
 
 
-class _Extended(_common.KerasOptimizerHooks, _cars.CollectiveAllReduceExtended):
+class _Extended(_cars.CollectiveAllReduceExtended):
     def __init__(self, container, resolver, options, local_devices, density):
         self._local_device_count = local_devices
         self._density = density
@@ -153,13 +153,13 @@ def _log_once(key: str, message: str):
         logger.info(message)
 
 
-class CollectiveAllReduce(tf.distribute.MultiWorkerMirroredStrategy):
+class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWorkerMirroredStrategy):
     """Synchronous data parallelism with one process per worker, for Keras 3 `fit`.
 
     The cluster comes from `TF_CONFIG` (or `tf_config`); without one, the process trains alone.
     Dense gradients go out in one packed all-reduce per step (ring on CPUs, NCCL on GPUs);
     sparse gradients are deduplicated and all-gathered in one collective, or densified above
-    the `sparse_as_dense` threshold. Clipping set on a Keras optimizer created in this scope
+    the `sparse_as_dense` threshold. Clipping set on the optimizer of a model that `fit` trains here
     applies to the all-reduced gradient, as in single-device training. NumPy inputs shuffled by
     Keras are shuffled alike on every worker (a shared TensorFlow seed, set if none is).
 

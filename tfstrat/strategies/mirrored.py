@@ -6,7 +6,6 @@ import logging
 from collections.abc import Sequence
 
 import tensorflow as tf
-from tensorflow.python.distribute import distribute_lib, mirrored_strategy
 
 from tfstrat.devices import local_devices
 from tfstrat.reduce.collective import SparseAwareAllReduce
@@ -16,11 +15,7 @@ from tfstrat.strategies import _common
 logger = logging.getLogger(__name__)
 
 
-class _Extended(_common.KerasOptimizerHooks, mirrored_strategy.MirroredExtended):
-    pass
-
-
-class MirroredNCCL(tf.distribute.MirroredStrategy):
+class MirroredNCCL(_common.AdoptsKerasOptimizers, tf.distribute.MirroredStrategy):
     """Synchronous data parallelism over the devices of one process.
 
     Dense gradients go out in one packed collective: NCCL on two or more physical GPUs, ring
@@ -57,8 +52,7 @@ class MirroredNCCL(tf.distribute.MirroredStrategy):
     ):
         devices = local_devices(devices)
         implementation = _common.communication_implementation(communication, devices)
-        # MirroredStrategy.__init__ hard-codes its extended class; this is its body with ours.
-        distribute_lib.Strategy.__init__(self, _Extended(self, devices=devices))
+        super().__init__(devices=devices)
         extended = self.extended
         options = tf.distribute.experimental.CommunicationOptions(
             implementation=implementation, timeout_seconds=timeout
