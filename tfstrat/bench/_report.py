@@ -34,6 +34,8 @@ def run_row(
     threads: int | None,
     env: dict | None = None,
     timeout: float = 900,
+    ps: int = 0,
+    chief: bool = False,
 ) -> dict:
     """Runs `python -m MODULE CONFIG` on `workers` tasks; returns worker 0's RESULT, or an error.
 
@@ -43,7 +45,15 @@ def run_row(
     out = io.StringIO()
     command = [sys.executable, "-m", module, json.dumps(config)]
     code = launch(
-        LaunchConfig(command, workers=workers, threads_per_task=threads, timeout=timeout, env=env),
+        LaunchConfig(
+            command,
+            workers=workers,
+            ps=ps,
+            chief=chief,
+            threads_per_task=threads,
+            timeout=timeout,
+            env=env,
+        ),
         out,
     )
     lines = out.getvalue().splitlines()

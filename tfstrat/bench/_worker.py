@@ -17,6 +17,28 @@ import sys
 import time
 
 
+def _serve_until_chief_exits():
+    """A worker of stock ParameterServerStrategy: serve until the coordinator (chief) is gone."""
+    import socket
+
+    from tfstrat.cluster import TFConfig
+    from tfstrat.server import start_server
+
+    config = TFConfig.from_env()
+    server = start_server(config)  # noqa: F841 (kept alive while we wait)
+    host, port = config.addresses("chief")[0].rsplit(":", 1)
+    seen, deadline = False, time.monotonic() + 1800
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+            seen = True
+        except OSError:
+            if seen:
+                sys.exit(0)
+        time.sleep(0.5)
+    sys.exit("tfstrat bench: the chief never finished; giving up")
+
+
 def _strategy(tf, name: str, devices: int):
     """Creates the strategy first, before any other op (collectives start with the program)."""
     if devices > 1:
@@ -38,6 +60,11 @@ def _strategy(tf, name: str, devices: int):
         return tf.distribute.MirroredStrategy(
             cpus if not tf.config.list_physical_devices("GPU") else None
         )
+    if name == "tfkeras-ps":  # stock async PS: the chief coordinates, workers only serve
+        if not os.environ.get("TFSTRAT_TASK", "").startswith("chief"):
+            _serve_until_chief_exits()
+        resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+        return tf.distribute.experimental.ParameterServerStrategy(resolver)
     if name in ("tfkeras-mwms", "keras3-mwms"):
         options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=120)
         return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
@@ -116,9 +143,14 @@ def main(config: dict) -> dict:
         import keras
     import numpy as np
 
-    replicas = strategy.num_replicas_in_sync if strategy else 1
-    global_batch = int(config["batch_per_device"]) * replicas
+    ps_mode = config["strategy"] == "tfkeras-ps"
+    replicas = strategy.num_replicas_in_sync if strategy and not ps_mode else 1
+    global_batch = int(config["batch_per_device"]) * replicas  # PS: one worker's batch a step
     data = _data(tf, np, config, global_batch)
+    if ps_mode:  # built on each worker from the function, not shipped from the coordinator
+        data = keras.utils.experimental.DatasetCreator(
+            lambda context: _data(tf, np, config, global_batch)
+        )
     scope = strategy.scope() if strategy else tf.distribute.get_strategy().scope()
     with scope:
         model, optimizer = _build(keras, config)
@@ -148,7 +180,7 @@ def main(config: dict) -> dict:
     import resource
 
     return {
-        "bytes_sent_per_step": sent if replicas > 1 else 0,
+        "bytes_sent_per_step": None if ps_mode else (sent if replicas > 1 else 0),
         "final_loss": clock.loss,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "replicas": replicas,

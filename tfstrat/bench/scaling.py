@@ -95,8 +95,15 @@ def run(config: ScalingConfig) -> list[dict]:
             "repeats": c.repeats,
             "threads": row["threads"],
         }
+        ps_mode = row["strategy"] == "tfkeras-ps"
         result = _report.run_row(
-            WORKER, worker_config, workers=row["workers"], threads=row["threads"], env=row["env"]
+            WORKER,
+            worker_config,
+            workers=row["workers"],
+            threads=row["threads"],
+            env=row["env"],
+            ps=1 if ps_mode else 0,
+            chief=ps_mode,
         )
         row.update(result, model=c.model, image=c.image, machine=machine)
         row["total_devices"] = row["workers"] * row["devices_per_worker"]

@@ -1,7 +1,9 @@
 """`tfstrat bench sparse`: an embedding-heavy, LM1B-like model, where Parallax showed its gains.
 
 A 200,000 x 64 embedding of Zipf-distributed ids, two Conv1D layers and a small dense head,
-Adagrad. Rows: one process (one thread, all cores), CollectiveAllReduce, and the stock peers.
+Adagrad. Rows: one process (one thread, all cores), CollectiveAllReduce, and the stock peers
+(tf-keras MultiWorkerMirroredStrategy, and async ParameterServerStrategy with a chief
+coordinator, the workers and one ps task).
 ParameterServer and Hybrid rows come when those strategies land.
 """
 
@@ -47,6 +49,17 @@ def _rows(c: SparseConfig, cpus: int) -> list[dict]:
             for w in c.workers
             if w > 1
         ]
+        rows += [
+            (
+                f"S-PS-{w}",
+                "stock ParameterServer (async, 1 ps), tf-keras",
+                "tfkeras-ps",
+                w,
+                t,
+                legacy,
+            )
+            for w in c.workers
+        ]
     keys = ("row", "label", "strategy", "workers", "threads", "env")
     return [dict(zip(keys, r)) for r in rows]
 
@@ -73,6 +86,8 @@ def run(config: SparseConfig) -> list[dict]:
             workers=row["workers"],
             threads=row["threads"],
             env=row.pop("env"),
+            ps=1 if row["strategy"] == "tfkeras-ps" else 0,
+            chief=row["strategy"] == "tfkeras-ps",
         )
         row.update(result, machine=machine, table_bytes=table_bytes)
         speed = f"{row['examples_per_s']:,.0f} ex/s" if "examples_per_s" in row else row["error"]
