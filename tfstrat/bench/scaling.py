@@ -71,6 +71,18 @@ def _rows(c: ScalingConfig, cpus: int) -> list[dict]:
         rows.append(
             (f"S-K3-{w}", "stock MultiWorkerMirrored, Keras 3", "keras3-mwms", w, 1, t, None)
         )
+        rows += [
+            (
+                f"S-PS-{w}",
+                "stock ParameterServer (async, 1 ps), tf-keras",
+                "tfkeras-ps",
+                w,
+                1,
+                t,
+                legacy,
+            )
+            for w in c.workers
+        ]
     return [
         dict(
             zip(("row", "label", "strategy", "workers", "devices_per_worker", "threads", "env"), r)
