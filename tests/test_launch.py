@@ -122,24 +122,29 @@ def test_port_taken_before_binding_is_retried():
     assert "retrying with fresh ports" in out
 
 
+def _cli_launch(script):
+    """`tfstrat launch` of two workers running `python -c script`, as a user types it."""
+    return [
+        PY,
+        "-m",
+        "tfstrat",
+        "launch",
+        "--workers",
+        "2",
+        "--timeout",
+        "100",
+        "--",
+        PY,
+        "-c",
+        script,
+    ]
+
+
 def test_cli_names_the_failed_task_and_returns_its_code():
     script = "import os, sys, time; sys.exit(3) if os.environ['TFSTRAT_TASK'].endswith(':1') else time.sleep(120)"
     start = time.monotonic()
     proc = subprocess.run(
-        [
-            PY,
-            "-m",
-            "tfstrat",
-            "launch",
-            "--workers",
-            "2",
-            "--timeout",
-            "100",
-            "--",
-            PY,
-            "-c",
-            script,
-        ],
+        _cli_launch(script),
         capture_output=True,
         text=True,
         timeout=100,
@@ -161,20 +166,7 @@ def _alive(pid):
 def test_tasks_die_with_a_killed_launcher():
     script = "import os, time; print('PID', os.getpid(), flush=True); time.sleep(120)"
     launcher = subprocess.Popen(
-        [
-            PY,
-            "-m",
-            "tfstrat",
-            "launch",
-            "--workers",
-            "2",
-            "--timeout",
-            "100",
-            "--",
-            PY,
-            "-c",
-            script,
-        ],
+        _cli_launch(script),
         stdout=subprocess.PIPE,
         text=True,
     )

@@ -158,29 +158,13 @@ def table(rows: Sequence[dict], c: ScalingConfig) -> str:
     ]
     body = []
     for r in rows:
+        lead = [r["row"], r["label"], r["workers"], r["devices_per_worker"], r["total_devices"]]
         if "error" in r:
-            body.append(
-                [
-                    r["row"],
-                    r["label"],
-                    r["workers"],
-                    r["devices_per_worker"],
-                    r["total_devices"],
-                    "-",
-                    f"failed: {r['error'][:120]}",
-                    "-",
-                    "-",
-                    "-",
-                ]
-            )
+            body.append([*lead, "-", f"failed: {r['error'][:120]}", "-", "-", "-"])
             continue
         body.append(
             [
-                r["row"],
-                r["label"],
-                r["workers"],
-                r["devices_per_worker"],
-                r["total_devices"],
+                *lead,
                 f"{r['steps_per_s']:.2f}",
                 f"{r['examples_per_s']:,.0f} ({r['examples_per_s_min']:,.0f}-{r['examples_per_s_max']:,.0f})",
                 _fmt(r["vs_A1"], ".2f"),
