@@ -22,6 +22,7 @@ _LAZY = {
     "auto": "tfstrat.strategies.auto",
     "MirroredNCCL": "tfstrat.strategies.mirrored",
     "CollectiveAllReduce": "tfstrat.strategies.collective",
+    "ParameterServer": "tfstrat.strategies.ps",
 }
 
 __all__ = [

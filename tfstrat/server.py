@@ -62,3 +62,35 @@ def start_server(tf_config: TFConfig, task: tuple[str, int] | None = None):
 def serve(tf_config: TFConfig, task: tuple[str, int] | None = None) -> None:
     """Starts a task's server and blocks until the process is stopped."""
     start_server(tf_config, task).join()
+
+
+def _accepts(address: str) -> bool:
+    import socket
+
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def serve_until_workers_exit(tf_config: TFConfig, poll: float = 1.0) -> None:
+    """Serves this ps task; exits the process (code 0) once every training task has come up
+    and gone again. For clusters where every task runs the same script (Kubeflow's TFJob)."""
+    import os
+    import sys
+    import time
+
+    start_server(tf_config)
+    trainers = set(tf_config.addresses("chief")) | set(tf_config.addresses("worker"))
+    seen: set[str] = set()
+    while True:
+        time.sleep(poll)
+        up = {a for a in trainers if _accepts(a)}
+        seen |= up
+        if seen == trainers and not up:
+            logger.info("tfstrat server: every worker has finished; ps exits")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)

@@ -33,12 +33,23 @@ def build_model():
 
 
 def optimizer(name: str, densify: bool = False, **kw):
-    """`sgdm` (SGD with momentum) or `adam`; `densify=True` for the single-device reference."""
+    """`sgdm` (SGD with momentum), `adam`, `sgd` or `adagrad`; `densify=True` for the
+    single-device reference."""
     import keras
     import tensorflow as tf
 
-    cls = {"sgdm": keras.optimizers.SGD, "adam": keras.optimizers.Adam}[name]
-    args = {"sgdm": dict(learning_rate=0.05, momentum=0.9), "adam": dict(learning_rate=0.01)}
+    cls = {
+        "sgdm": keras.optimizers.SGD,
+        "adam": keras.optimizers.Adam,
+        "sgd": keras.optimizers.SGD,
+        "adagrad": keras.optimizers.Adagrad,
+    }[name]
+    args = {
+        "sgdm": dict(learning_rate=0.05, momentum=0.9),
+        "adam": dict(learning_rate=0.01),
+        "sgd": dict(learning_rate=0.1),
+        "adagrad": dict(learning_rate=0.1),
+    }
     args = {**args[name], **kw}
     if not densify:
         return cls(**args)

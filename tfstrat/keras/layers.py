@@ -1,0 +1,127 @@
+"""`tfstrat.keras.layers.Embedding`: Keras's Embedding with a lookup that runs where the table is.
+
+Keras 3's `Embedding` calls `ops.take(table, ids)`, which converts the whole table to a tensor
+before gathering: with the table on a ps task, every step would copy all of it to the worker.
+This subclass gathers through the variable (`tf.nn.embedding_lookup`), so the gather runs on
+the ps and only the looked-up rows travel; its gradient stays `IndexedSlices`. Under a strategy
+that partitions tables (`tfstrat.ParameterServer(partitions=...)`), the table is built as
+parts split along the first axis, one variable per part, each on its own ps task.
+
+Same arguments, weight names and saved format as `keras.layers.Embedding`: a partitioned table
+is saved as one array and loads into a stock layer, or into a different number of parts.
+Quantized and LoRA tables fall back to the stock path.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+
+def _layout(layer) -> list[int | None]:
+    """The ps task of each part of `layer`'s table ([None]: one part, placed as usual)."""
+    strategy = tf.distribute.get_strategy()
+    table_layout = getattr(strategy, "table_layout", None)
+    if table_layout is None:
+        return [None]
+    nbytes = layer.input_dim * layer.output_dim * np.dtype(layer.variable_dtype).itemsize
+    return table_layout(layer.name, layer.input_dim, nbytes)
+
+
+def part_bounds(rows: int, parts: int) -> list[tuple[int, int]]:
+    """Row ranges of `parts` parts: the first `rows % parts` parts get one row more, as
+    `tf.nn.embedding_lookup`'s "div" strategy expects."""
+    edges = np.cumsum([0] + [len(a) for a in np.array_split(np.arange(rows), parts)])
+    return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:])]
+
+
+@keras.saving.register_keras_serializable(package="tfstrat")
+class Embedding(keras.layers.Embedding):
+    """Drop-in `keras.layers.Embedding` whose lookup moves only the rows it needs."""
+
+    _parts: list | None = None
+
+    def build(self, input_shape=None):
+        if self.built:
+            return
+        layout = _layout(self)
+        if len(layout) == 1 or self.quantization_mode or self.lora_rank:
+            from tfstrat.ps.variables import pinned
+
+            if layout[0] is None:
+                return super().build(input_shape)
+            with pinned(layout[0]):
+                return super().build(input_shape)
+        from tfstrat.ps.variables import pinned
+
+        full = {}
+
+        def part_initializer(lo, hi):
+            def initialize(shape, dtype=None):
+                if "table" not in full:  # one draw for the whole table, as the stock layer
+                    full["table"] = keras.initializers.get(self.embeddings_initializer)(
+                        (self.input_dim, self.output_dim), dtype=dtype
+                    )
+                return full["table"][lo:hi]
+
+            return initialize
+
+        self._parts = []
+        for k, (ps, (lo, hi)) in enumerate(zip(layout, part_bounds(self.input_dim, len(layout)))):
+            with pinned(ps):
+                self._parts.append(
+                    self.add_weight(
+                        shape=(hi - lo, self.output_dim),
+                        initializer=part_initializer(lo, hi),
+                        name=f"embeddings_part_{k}",
+                        regularizer=self.embeddings_regularizer,
+                        constraint=self.embeddings_constraint,
+                        trainable=True,
+                    )
+                )
+        full.clear()
+        self.built = True
+
+    @property
+    def partitions(self) -> int:
+        return len(self._parts) if self._parts else 1
+
+    @property
+    def embeddings(self):
+        if self._parts:
+            return tf.concat([p.value for p in self._parts], axis=0)
+        return super().embeddings
+
+    def _tables(self):
+        if self._parts:
+            return [p.value for p in self._parts]
+        table = self._embeddings.value if self._embeddings is not None else None
+        return [table] if isinstance(table, tf.Variable) else None
+
+    def call(self, inputs):
+        tables = None if (self.quantization_mode or self.lora_enabled) else self._tables()
+        if tables is None:
+            return super().call(inputs)
+        if inputs.dtype not in (tf.int32, tf.int64):
+            inputs = tf.cast(inputs, tf.int32)
+        # Each gather is colocated with its part: it runs on the part's ps task.
+        outputs = tf.nn.embedding_lookup(tables if len(tables) > 1 else tables[0], inputs)
+        return tf.cast(outputs, self.compute_dtype)
+
+    def save_own_variables(self, store):
+        if not self._parts:
+            return super().save_own_variables(store)
+        store["0"] = np.concatenate([p.numpy() for p in self._parts], axis=0)
+
+    def load_own_variables(self, store):
+        if not self._parts:
+            return super().load_own_variables(store)
+        table = np.asarray(store["0"])
+        if table.shape != (self.input_dim, self.output_dim):
+            raise ValueError(
+                f"Layer {self.name!r}: the saved table has shape {table.shape}, this layer "
+                f"{(self.input_dim, self.output_dim)}."
+            )
+        for part, (lo, hi) in zip(self._parts, part_bounds(self.input_dim, len(self._parts))):
+            part.assign(table[lo:hi])

@@ -1,0 +1,376 @@
+"""`ParameterServer`: variables on ps tasks, each worker its own `fit` (between-graph replication).
+
+Keras 3 has no parameter-server path (DESIGN.md fact 3). This strategy brings back TF1's:
+each worker process connects its eager context to the ps tasks (fact 4) and trains with plain
+`model.fit`; every variable created in the scope lives on a ps task, shared by all workers by
+name. The strategy is a one-replica strategy per worker: the forward and backward pass run on
+the worker, reads and optimizer updates run on the ps that holds each variable.
+
+- `mode="async"`: every worker applies its own gradient as soon as it has it.
+- `mode="sync"`: each step averages the gradients of `replicas_to_aggregate` workers and
+  applies them once (`tfstrat.ps.sync`); later gradients of that step are dropped and counted.
+
+Metrics and Keras's random-seed state stay on the worker: logs are per worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+
+import tensorflow as tf
+from tensorflow.python.distribute import distribute_lib, one_device_strategy
+from tensorflow.python.util import nest
+
+from tfstrat.cluster import TFConfig
+from tfstrat.ps import variables as psvars
+from tfstrat.ps.connect import connect
+from tfstrat.ps.sync import SyncReplicas
+from tfstrat.reduce.sparse import dedup
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT = 300.0
+DEFAULT_PARTITION_BYTES = 4 << 20
+_SLICED_STEPS = ("train_step", "test_step")
+
+
+def _stays_local(kwargs) -> bool:
+    """Metric accumulators and Keras's seed state are per worker."""
+    name = kwargs.get("name") or ""
+    return kwargs.get("synchronization") == tf.VariableSynchronization.ON_READ or name.startswith(
+        "seed_generator_state"
+    )
+
+
+class _Extended(one_device_strategy.OneDeviceExtended):
+    def __init__(self, container, device, *, tf_config, worker, timeout):
+        super().__init__(container, device)
+        self.tf_config = tf_config
+        self.worker = worker
+        self.is_chief = tf_config.is_chief
+        self.timeout = timeout
+        self.num_ps = len(tf_config.addresses("ps"))
+        self.placement = psvars.Placement(self.num_ps)
+        self._created = 0
+
+    # -- variables ------------------------------------------------------------------------
+
+    def shared(self, name, shape, dtype, device, *, initial_value=None, owner=None):
+        """A variable shared by every worker; the chief initialises it (or `owner`, if given)."""
+        var = psvars.shared_variable(
+            name, shape, dtype, device, strategy=self._container_strategy()
+        )
+        if initial_value is None:
+            return var
+        initialises = self.is_chief if owner is None else owner == self.worker
+        if initialises:
+            if not psvars.is_initialized(var):  # a restarted chief keeps the ps's values
+                with tf.device(device):
+                    value = initial_value() if callable(initial_value) else initial_value
+                    var.assign(tf.convert_to_tensor(value, dtype), read_value=False)
+        else:
+            psvars.wait_initialized(var, self.timeout, "the chief")
+        return var
+
+    def _create_variable(self, next_creator, **kwargs):
+        colocate_with = kwargs.pop("colocate_with", None)
+        if _stays_local(kwargs):
+            with tf.device(self._device):
+                return next_creator(**kwargs)
+        initial_value = kwargs["initial_value"]
+        dtype = kwargs.get("dtype")
+        if dtype is None:
+            probe = initial_value() if callable(initial_value) else initial_value
+            dtype = tf.convert_to_tensor(probe).dtype
+        dtype = tf.as_dtype(dtype)
+        shape = psvars.static_shape(initial_value, kwargs.get("shape"))
+        name = kwargs.get("name") or "Variable"
+        self._created += 1
+        shared_name = f"{self._created:05d}_{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}"
+        if colocate_with is not None:
+            index = psvars.ps_index_of(colocate_with)
+        else:
+            index = getattr(psvars._pin, "index", None)
+        nbytes = shape.num_elements() * dtype.size
+        index = self.placement.choose(shared_name, nbytes, index)
+        device = psvars.ps_device(index)
+        var = psvars.shared_variable(
+            shared_name,
+            shape,
+            dtype,
+            device,
+            strategy=self._container_strategy(),
+            trainable=kwargs.get("trainable", True),
+            name=name,
+            aggregation=kwargs.get("aggregation") or tf.VariableAggregation.NONE,
+        )
+        if self.is_chief:
+            if not psvars.is_initialized(var):
+                with tf.device(device):
+                    value = initial_value() if callable(initial_value) else initial_value
+                    var.assign(tf.cast(value, dtype), read_value=False)
+        else:
+            psvars.wait_initialized(var, self.timeout, "the chief")
+        return var
+
+    def _validate_colocate_with_variable(self, colocate_with_variable):
+        pass  # any variable: slots follow their variable to its ps task
+
+    def _update(self, var, fn, args, kwargs, group):
+        # The optimizer's arithmetic runs where the variable lives: on its ps task.
+        with tf.device(var.device), distribute_lib.UpdateContext(var.device):
+            result = fn(var, *args, **kwargs)
+            return result if group else nest.map_structure(self._local_results, result)
+
+    @property
+    def should_checkpoint(self):
+        return self.is_chief
+
+    @property
+    def should_save_summary(self):
+        return self.is_chief
+
+
+class ParameterServer(distribute_lib.Strategy):
+    """Variables on ps tasks, one `fit` per worker: synchronous (with backups) or asynchronous.
+
+    Run it with `tfstrat launch --workers N --ps M -- python train.py` (or any launcher that
+    sets `TF_CONFIG`). In a ps task, creating the strategy serves that ps and exits the
+    process when the workers are done, so one script can serve every role.
+
+    Args:
+        tf_config: the cluster; None reads `TF_CONFIG`. It must hold at least one ps task.
+        mode: "sync" (each step averages `replicas_to_aggregate` workers' gradients and applies
+            them once) or "async" (each worker's update is applied as it comes).
+        replicas_to_aggregate: gradients per synchronous step; default all workers. Fewer
+            makes the slowest workers backups whose late gradients are dropped (`dropped`).
+        partitions: "auto" splits `tfstrat.keras.layers.Embedding` tables of at least
+            `partition_bytes` across every ps task; an integer forces that many parts for
+            every such table; 1 never splits.
+        partition_bytes: the size from which "auto" splits a table.
+        timeout: seconds any wait (for a ps, the chief, a step, gradients) may take before it
+            fails with an error naming what it waited for.
+
+    Input: the dataset given to `fit` / `evaluate` carries the global batch; worker w trains
+    on rows [w*n//W, (w+1)*n//W) of each batch of n rows. `predict` runs whole batches on
+    every worker. Logs and metrics are per worker (computed on that worker's rows).
+    """
+
+    def __init__(
+        self,
+        tf_config: TFConfig | None = None,
+        *,
+        mode: str = "sync",
+        replicas_to_aggregate: int | None = None,
+        partitions: str | int = "auto",
+        partition_bytes: int = DEFAULT_PARTITION_BYTES,
+        timeout: float = DEFAULT_TIMEOUT,
+    ):
+        tf_config = tf_config if tf_config is not None else _env_config()
+        _check_config(tf_config, mode, partitions)
+        if tf_config.task_type == "ps":
+            from tfstrat.server import serve_until_workers_exit
+
+            serve_until_workers_exit(tf_config)  # does not return
+        workers = tf_config.num_workers
+        required = workers if replicas_to_aggregate is None else int(replicas_to_aggregate)
+        if not 1 <= required <= workers:
+            raise ValueError(
+                f"Received: replicas_to_aggregate={replicas_to_aggregate} with {workers} "
+                f"worker(s). Use a number from 1 to {workers}, or None for all."
+            )
+        worker = _worker_index(tf_config)
+        device = connect(tf_config, timeout)
+        super().__init__(
+            _Extended(self, device, tf_config=tf_config, worker=worker, timeout=timeout)
+        )
+        self.mode = mode
+        self.partitions = partitions
+        self.partition_bytes = partition_bytes
+        self.sync = None
+        if mode == "sync":
+            self.sync = SyncReplicas(
+                self,
+                num_workers=workers,
+                worker=worker,
+                is_chief=tf_config.is_chief,
+                replicas_to_aggregate=required,
+                timeout=timeout,
+            )
+        self._adopted: set[int] = set()
+        self._warned: set[str] = set()
+        logger.info(
+            "tfstrat: ParameterServer (%s%s), worker %d of %d, %d ps task(s), timeout %g s",
+            mode,
+            f", {required} of {workers} per step" if mode == "sync" else "",
+            worker,
+            workers,
+            self.extended.num_ps,
+            timeout,
+        )
+
+    # -- cluster ----------------------------------------------------------------------------
+
+    @property
+    def num_workers(self) -> int:
+        return self.extended.tf_config.num_workers
+
+    @property
+    def worker_index(self) -> int:
+        return self.extended.worker
+
+    @property
+    def dropped(self) -> int:
+        """Stale gradients of this worker that no step applied (sync with backup workers)."""
+        return self.sync.dropped if self.sync else 0
+
+    def placement_summary(self) -> str:
+        return self.extended.placement.summary()
+
+    def table_layout(self, name: str, rows: int, nbytes: int) -> list[int | None]:
+        """The ps task of each part of an embedding table (`tfstrat.keras.layers.Embedding`)."""
+        num_ps = self.extended.num_ps
+        if self.partitions == "auto":
+            parts = num_ps if nbytes >= self.partition_bytes else 1
+        else:
+            parts = int(self.partitions)
+        parts = max(1, min(parts, rows))
+        if parts == 1:
+            return [None]
+        first = int(min(range(num_ps), key=lambda i: self.extended.placement.bytes[i]))
+        layout = [(first + k) % num_ps for k in range(parts)]
+        logger.info("tfstrat: table %s split into %d parts on ps %s", name, parts, layout)
+        return layout
+
+    # -- steps --------------------------------------------------------------------------------
+
+    def run(self, fn, args=(), kwargs=None, options=None):
+        model = getattr(fn, "__self__", None)
+        step = getattr(fn, "__name__", "")
+        if model is not None:
+            self._adopt(model)
+        if step in _SLICED_STEPS and self.num_workers > 1:
+            args = self._slice(args)
+        if self.sync is not None and step == "train_step":
+            inner = fn
+
+            def fn(*a, **k):
+                with tf.control_dependencies([self.sync.begin_step()]):
+                    return inner(*a, **k)
+
+        return super().run(fn, args=args, kwargs=kwargs, options=options)
+
+    def _slice(self, args):
+        w, n_workers = self.worker_index, self.num_workers
+        flat = [t for t in nest.flatten(args) if isinstance(t, tf.Tensor) and t.shape.rank]
+        if not flat:
+            return args
+        n = tf.shape(flat[0], out_type=tf.int64)[0]
+        lo, hi = (w * n) // n_workers, ((w + 1) * n) // n_workers
+
+        def take(t):
+            return t[lo:hi] if isinstance(t, tf.Tensor) and t.shape.rank else t
+
+        return nest.map_structure(take, args)
+
+    def _adopt(self, model):
+        """Hooks the model's optimizer (once): sparse dedup, and the sync protocol."""
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is None or id(optimizer) in self._adopted:
+            return
+        self._adopted.add(id(optimizer))
+        self._warn_stock_embeddings(model)
+        logger.info("tfstrat: %s", self.placement_summary())
+        original = optimizer.apply
+        sync, is_chief = self.sync, self.extended.is_chief
+
+        def apply(grads, trainable_variables=None):
+            variables = (
+                list(trainable_variables)
+                if trainable_variables is not None
+                else list(optimizer._trainable_variables)
+            )
+            grads = [dedup(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+            if sync is None:
+                return original(grads, variables)
+            if not optimizer.built:
+                optimizer.build(variables)
+            pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
+            tf_pairs = [(g, v.value) for g, v in pairs]
+            delivered = sync.push(tf_pairs)
+            if not is_chief:
+                return sync.finish([delivered])
+            averaged, record = sync.aggregate(tf_pairs, delivered)
+            with tf.control_dependencies([record]):
+                original([g for g, _ in averaged], [v for _, v in pairs])
+            # Reads ordered after every update: publish only once the step is applied.
+            applied = [record, optimizer.iterations.value.read_value()]
+            applied += [v.value.is_initialized() for _, v in pairs]
+            applied += [v.value.is_initialized() for v in optimizer.variables]
+            return sync.finish([sync.publish(applied)])
+
+        optimizer.apply = apply
+        if sync is not None:
+            finalize = optimizer.finalize_variable_values
+
+            def finalize_then_mark_done(variables):  # Keras calls it when `fit` ends
+                finalize(variables)
+                sync.mark_done()
+
+            optimizer.finalize_variable_values = finalize_then_mark_done
+
+    def _warn_stock_embeddings(self, model):
+        import keras
+
+        from tfstrat.keras.layers import Embedding
+
+        for layer in model._flatten_layers(include_self=False):
+            if isinstance(layer, keras.layers.Embedding) and not isinstance(layer, Embedding):
+                if layer.name not in self._warned and layer.built:
+                    self._warned.add(layer.name)
+                    logger.warning(
+                        "tfstrat: layer %r is a keras.layers.Embedding: its lookup reads the "
+                        "whole table from the ps every step. Use tfstrat.keras.layers.Embedding "
+                        "(same arguments and weights) to move only the rows a batch needs.",
+                        layer.name,
+                    )
+
+    def reduce(self, reduce_op, value, axis=None):
+        if axis is not None:  # per-step logs: one replica, nothing to reduce across
+            values = self.experimental_local_results(value)
+            return values[0] if len(values) == 1 else value
+        return super().reduce(reduce_op, value, axis)
+
+
+def _env_config() -> TFConfig:
+    if not os.environ.get("TF_CONFIG"):
+        raise ValueError(
+            "ParameterServer needs a cluster with ps tasks: set TF_CONFIG (e.g. run under "
+            "`tfstrat launch --workers 2 --ps 1 -- python train.py`) or pass tf_config=."
+        )
+    return TFConfig.from_env()
+
+
+def _check_config(tf_config: TFConfig, mode: str, partitions) -> None:
+    if mode not in ("sync", "async"):
+        raise ValueError(f"Received: mode={mode!r}. Use 'sync' or 'async'.")
+    if partitions != "auto" and not (isinstance(partitions, int) and partitions >= 1):
+        raise ValueError(f"Received: partitions={partitions!r}. Use 'auto' or an integer >= 1.")
+    if not tf_config.addresses("ps"):
+        raise ValueError(
+            f"Received: a cluster without ps tasks ({dict(tf_config.cluster)}). ParameterServer "
+            "needs at least one: `tfstrat launch --ps 1 ...`, or use tfstrat.CollectiveAllReduce."
+        )
+    if tf_config.task_type not in ("chief", "worker", "ps"):
+        raise ValueError(
+            f"Received: task type {tf_config.task_type!r}. ParameterServer runs in chief, "
+            "worker and ps tasks."
+        )
+
+
+def _worker_index(tf_config: TFConfig) -> int:
+    if tf_config.task_type == "chief":
+        return 0
+    return tf_config.task_index + (1 if tf_config.addresses("chief") else 0)
