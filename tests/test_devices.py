@@ -71,12 +71,12 @@ if case == "alone":
 elif case == "ps":
     cfg = tfstrat.TFConfig.from_hosts(worker=["127.0.0.1:2000"], ps=["127.0.0.1:2001"])
     os.environ.update(cfg.for_task("worker", 0).to_env())
-    try:
-        tfstrat.auto()
-    except ValueError as e:
-        assert "ps tasks" in str(e), e
+    try:  # no ps runs at that address: ParameterServer names it after the timeout
+        tfstrat.auto(timeout=1)
+    except TimeoutError as e:
+        assert "Could not reach ps:0 at 127.0.0.1:2001" in str(e), e
     else:
-        raise AssertionError("auto() accepted ps tasks")
+        raise AssertionError("auto() reached a ps that does not exist")
 print("OK")
 """
 
@@ -89,3 +89,5 @@ def test_auto_alone_and_with_ps_tasks():
         assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
         if case == "alone":
             assert "tfstrat.auto: TensorFlow's default strategy" in proc.stderr
+        else:
+            assert "tfstrat.auto: ParameterServer (TF_CONFIG has 1 ps task(s))" in proc.stderr

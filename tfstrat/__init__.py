@@ -38,6 +38,10 @@ __all__ = [
 
 
 def __getattr__(name):
+    if name == "keras":  # tfstrat.keras.layers / .callbacks import Keras: only when asked
+        import importlib
+
+        return importlib.import_module("tfstrat.keras")
     if name in _LAZY:
         import importlib
 

@@ -150,6 +150,8 @@ def _task_env(config: LaunchConfig, tf_config: TFConfig, task: str, index: int) 
     env.update(tf_config.for_task(task, index).to_env())
     env["TFSTRAT_TASK"] = f"{task}:{index}"
     env["PYTHONUNBUFFERED"] = "1"
+    if task == "ps":  # a ps logs every client's whole session config at INFO level
+        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     if config.threads_per_task:
         env["TF_NUM_INTRAOP_THREADS"] = str(config.threads_per_task)
         env["OMP_NUM_THREADS"] = str(config.threads_per_task)

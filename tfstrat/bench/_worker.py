@@ -4,7 +4,7 @@ Run by the benchmark drivers through `tfstrat launch`, one per task:
     python -m tfstrat.bench._worker '{"strategy": "collective", "model": "small", ...}'
 
 Strategies: "none" (no strategy), "mirrored" (MirroredNCCL), "collective"
-(CollectiveAllReduce), and the stock peers "tfkeras-none", "tfkeras-mirrored", "tfkeras-mwms"
+(CollectiveAllReduce), "ps-sync" / "ps-async" (ParameterServer), and the stock peers "tfkeras-none", "tfkeras-mirrored", "tfkeras-mwms"
 (tf-keras, TF_USE_LEGACY_KERAS=1) and "keras3-mwms" (stock MWMS under Keras 3).
 """
 
@@ -56,6 +56,10 @@ def _strategy(tf, name: str, devices: int):
         import tfstrat
 
         return tfstrat.CollectiveAllReduce(devices=devices if devices > 1 else None, timeout=120)
+    if name in ("ps-sync", "ps-async"):
+        import tfstrat
+
+        return tfstrat.ParameterServer(mode=name[3:], timeout=120)
     if name == "tfkeras-mirrored":
         return tf.distribute.MirroredStrategy(
             cpus if not tf.config.list_physical_devices("GPU") else None
@@ -72,10 +76,17 @@ def _strategy(tf, name: str, devices: int):
 
 
 def _sparse_model(keras, vocab: int, dim: int, seq: int, classes: int):
-    """LM1B-like: a large embedding table and a small dense head with real compute."""
+    """LM1B-like: a large embedding table and a small dense head with real compute.
+
+    Keras 3 rows use tfstrat's Embedding (Keras 3's reads the whole table every step); the
+    tf-keras peers use tf-keras's, which gathers rows already.
+    """
     layers = keras.layers
+    embedding = layers.Embedding
+    if keras.__name__ == "keras":
+        from tfstrat.keras.layers import Embedding as embedding
     inputs = keras.Input((seq,), dtype="int32")
-    x = layers.Embedding(vocab, dim)(inputs)
+    x = embedding(vocab, dim)(inputs)
     x = layers.Conv1D(256, 3, padding="same", activation="relu")(x)
     x = layers.Conv1D(256, 3, padding="same", activation="relu")(x)
     x = layers.GlobalAveragePooling1D()(x)
@@ -145,6 +156,11 @@ def main(config: dict) -> dict:
 
     ps_mode = config["strategy"] == "tfkeras-ps"
     replicas = strategy.num_replicas_in_sync if strategy and not ps_mode else 1
+    ps_ports = None
+    if config["strategy"].startswith("ps-"):  # tfstrat's: the dataset carries the global batch
+        replicas = strategy.num_workers
+        addresses = strategy.extended.tf_config.addresses("ps")
+        ps_ports = {int(a.rsplit(":", 1)[1]) for a in addresses}
     global_batch = int(config["batch_per_device"]) * replicas  # PS: one worker's batch a step
     data = _data(tf, np, config, global_batch)
     if ps_mode:  # built on each worker from the function, not shipped from the coordinator
@@ -170,13 +186,26 @@ def main(config: dict) -> dict:
             self.seconds.append(time.perf_counter() - self.start)
             self.loss = float(logs.get("loss", float("nan")))
 
-    clock = Clock()
+    class Traffic(keras.callbacks.Callback):  # bytes to and from the ps tasks, timed epochs
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 1:
+                self.start = sum(tcp_bytes(ps_ports))
+
+        def on_train_end(self, logs=None):
+            self.per_step = (sum(tcp_bytes(ps_ports)) - self.start) / (steps * repeats)
+
+    from tfstrat.traffic import tcp_bytes
+
+    clock, traffic = Clock(), Traffic()
     steps, repeats = int(config["steps"]), int(config["repeats"])
-    model.fit(data, steps_per_epoch=steps, epochs=1 + repeats, verbose=0, callbacks=[clock])
+    callbacks = [clock] + ([traffic] if ps_ports else [])
+    model.fit(data, steps_per_epoch=steps, epochs=1 + repeats, verbose=0, callbacks=callbacks)
     timed = clock.seconds[1:]  # epoch 0 traces and warms up
     rates = [steps * global_batch / s for s in timed]
     ops = getattr(getattr(strategy, "extended", None), "_cross_device_ops", None)
     sent = ops.bytes_sent_per_worker() if hasattr(ops, "bytes_sent_per_worker") else None
+    if ps_ports:
+        sent = traffic.per_step  # measured on the sockets, both directions
     import resource
 
     return {

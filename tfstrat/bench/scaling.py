@@ -56,6 +56,11 @@ def _rows(c: ScalingConfig, cpus: int) -> list[dict]:
         ("A-2", "CollectiveAllReduce", "collective", 1, d, t, None),
     ]
     rows += [(f"B-{w}", "CollectiveAllReduce", "collective", w, d, t, None) for w in c.workers]
+    w = max(c.workers)
+    rows += [
+        (f"PS-S-{w}", "ParameterServer sync, 1 ps", "ps-sync", w, 1, t, None),
+        (f"PS-A-{w}", "ParameterServer async, 1 ps", "ps-async", w, 1, t, None),
+    ]
     if c.peer:
         legacy = {"TF_USE_LEGACY_KERAS": "1"}
         rows += [
@@ -114,7 +119,7 @@ def run(config: ScalingConfig) -> list[dict]:
             workers=row["workers"],
             threads=row["threads"],
             env=row["env"],
-            ps=1 if ps_mode else 0,
+            ps=1 if ps_mode or row["strategy"].startswith("ps-") else 0,
             chief=ps_mode,
         )
         row.update(result, model=c.model, image=c.image, machine=machine)

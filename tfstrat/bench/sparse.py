@@ -4,7 +4,7 @@ A 200,000 x 64 embedding of Zipf-distributed ids, two Conv1D layers and a small 
 Adagrad. Rows: one process (one thread, all cores), CollectiveAllReduce, and the stock peers
 (tf-keras MultiWorkerMirroredStrategy, and async ParameterServerStrategy with a chief
 coordinator, the workers and one ps task).
-ParameterServer and Hybrid rows come when those strategies land.
+Hybrid rows come when that strategy lands.
 """
 
 from __future__ import annotations
@@ -42,6 +42,11 @@ def _rows(c: SparseConfig, cpus: int) -> list[dict]:
         ("P-all", "one process, no strategy, all cores", "none", 1, cpus, None),
     ]
     rows += [(f"C-{w}", "CollectiveAllReduce", "collective", w, t, None) for w in c.workers]
+    w = max(c.workers)
+    rows += [
+        (f"PS-S-{w}", "ParameterServer sync, 1 ps", "ps-sync", w, t, None),
+        (f"PS-A-{w}", "ParameterServer async, 1 ps", "ps-async", w, t, None),
+    ]
     if c.peer:
         rows.append(("S-1", "stock, tf-keras, no strategy", "tfkeras-none", 1, t, legacy))
         rows += [
@@ -86,7 +91,7 @@ def run(config: SparseConfig) -> list[dict]:
             workers=row["workers"],
             threads=row["threads"],
             env=row.pop("env"),
-            ps=1 if row["strategy"] == "tfkeras-ps" else 0,
+            ps=1 if row["strategy"] in ("tfkeras-ps", "ps-sync", "ps-async") else 0,
             chief=row["strategy"] == "tfkeras-ps",
         )
         row.update(result, machine=machine, table_bytes=table_bytes)

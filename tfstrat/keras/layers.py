@@ -59,10 +59,13 @@ class Embedding(keras.layers.Embedding):
 
         def part_initializer(lo, hi):
             def initialize(shape, dtype=None):
+                draw = lambda: keras.initializers.get(self.embeddings_initializer)(  # noqa: E731
+                    (self.input_dim, self.output_dim), dtype=dtype
+                )
+                if not tf.executing_eagerly():  # traced for its shape only
+                    return draw()[lo:hi]
                 if "table" not in full:  # one draw for the whole table, as the stock layer
-                    full["table"] = keras.initializers.get(self.embeddings_initializer)(
-                        (self.input_dim, self.output_dim), dtype=dtype
-                    )
+                    full["table"] = draw()
                 return full["table"][lo:hi]
 
             return initialize

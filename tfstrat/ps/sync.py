@@ -42,10 +42,12 @@ def _sleep(seconds: float):
     return tf.py_function(nap, [], tf.int32)
 
 
-def poll_until(ready, deadline_s: float, message: list, pause: float = 0.0005):
+def poll_until(ready, deadline_s: float, message: list, pause: float = 0.0):
     """In-graph: loops until `ready()` (a scalar bool op) holds; errors after `deadline_s`.
 
-    `message` is a list of strings and tensors, printed in the error on timeout.
+    `message` is a list of strings and tensors, printed in the error on timeout. `ready`
+    reads a variable on a ps task, a round trip of a millisecond or more here, so the loop
+    needs no sleep of its own (`pause` adds one, in seconds).
     """
     start = tf.timestamp()
 

@@ -13,22 +13,22 @@ from tfstrat.devices import devices
 logger = logging.getLogger(__name__)
 
 
-def auto(tf_config: TFConfig | None = None) -> tf.distribute.Strategy:
+def auto(
+    tf_config: TFConfig | None = None, *, timeout: float | None = None
+) -> tf.distribute.Strategy:
     """Picks a strategy for this process and logs what it chose and why.
 
-    TPU -> `tf.distribute.TPUStrategy`; TF_CONFIG with ps tasks -> not yet available (raises);
+    TPU -> `tf.distribute.TPUStrategy`; TF_CONFIG with ps tasks -> `ParameterServer` (sync);
     TF_CONFIG with several workers -> `CollectiveAllReduce`; two or more GPUs ->
     `MirroredNCCL`; else TensorFlow's default strategy. Call it first in the program: it may
     create a multi-worker strategy, which must exist before any TensorFlow op runs.
 
     Args:
         tf_config: the cluster; None reads `TF_CONFIG` if it is set.
+        timeout: passed to the multi-worker strategies (their default if None).
 
     Returns:
         A `tf.distribute.Strategy`.
-
-    Raises:
-        ValueError: TF_CONFIG has ps tasks (ParameterServer and Hybrid are not in this release).
 
     Example:
         >>> import tfstrat
@@ -45,19 +45,22 @@ def auto(tf_config: TFConfig | None = None) -> tf.distribute.Strategy:
         tf.tpu.experimental.initialize_tpu_system(resolver)
         logger.info("tfstrat.auto: TPUStrategy (TPU %s found)", info.tpu)
         return tf.distribute.TPUStrategy(resolver)
+    kwargs = {} if timeout is None else {"timeout": timeout}
     if tf_config is not None and tf_config.addresses("ps"):
-        raise ValueError(
-            f"Received: TF_CONFIG with ps tasks {list(tf_config.addresses('ps'))}. "
-            "Parameter-server strategies are not in this tfstrat release; drop the ps tasks "
-            "to train with CollectiveAllReduce."
+        from tfstrat.strategies.ps import ParameterServer
+
+        logger.info(
+            "tfstrat.auto: ParameterServer (TF_CONFIG has %d ps task(s))",
+            len(tf_config.addresses("ps")),
         )
+        return ParameterServer(tf_config, **kwargs)
     if tf_config is not None and tf_config.num_workers > 1:
         from tfstrat.strategies.collective import CollectiveAllReduce
 
         logger.info(
             "tfstrat.auto: CollectiveAllReduce (TF_CONFIG has %d workers)", tf_config.num_workers
         )
-        return CollectiveAllReduce(tf_config)
+        return CollectiveAllReduce(tf_config, **kwargs)
     if len(info.gpus) >= 2:
         from tfstrat.strategies.mirrored import MirroredNCCL
 

@@ -1,0 +1,69 @@
+"""ParameterServer under faults (run by `tfstrat launch`).
+
+Usage (under TF_CONFIG):
+    python ps_faults.py OUT kill-ps TIMEOUT   worker 0 SIGKILLs ps:0 after 5 steps; every
+                                              worker must then fail, naming the ps
+    python ps_faults.py OUT backup            sync, 2 of 3 gradients per step; the test holds
+                                              worker 2 back (TFSTRAT_TEST_HOLD_WORKER=2)
+Writes OUT/<task>.json (iterations, dropped, loss) when training ends.
+"""
+
+import json
+import os
+import signal
+import sys
+
+import tfstrat
+
+out, scenario = sys.argv[1], sys.argv[2]
+timeout = float(sys.argv[3]) if len(sys.argv) > 3 else 60
+strategy = tfstrat.ParameterServer(
+    replicas_to_aggregate=2 if scenario == "backup" else None, timeout=timeout
+)
+
+import keras  # noqa: E402
+from common import build_model, compile_model, data, optimizer  # noqa: E402
+
+
+def ps_pid() -> int:
+    """The process of ps:0 of this cluster (its TF_CONFIG names it)."""
+    address = strategy.extended.tf_config.addresses("ps")[0]
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        for item in environ:
+            if item.startswith(b"TF_CONFIG="):
+                config = json.loads(item[len(b"TF_CONFIG=") :])
+                task = config.get("task", {})
+                if task.get("type") == "ps" and config["cluster"]["ps"][0] == address:
+                    return int(pid)
+    raise RuntimeError(f"no process serves ps:0 at {address}")
+
+
+class KillPsAtStep(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 5 and strategy.worker_index == 0:
+            print("worker 0 kills ps:0 now", flush=True)
+            os.kill(ps_pid(), signal.SIGKILL)
+
+
+steps = 200 if scenario == "kill-ps" else 20
+x, y = data(24 * steps)
+with strategy.scope():
+    model = compile_model(build_model(), optimizer("sgd"))
+callbacks = [KillPsAtStep()] if scenario == "kill-ps" else []
+history = model.fit(x, y, batch_size=24, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
+if scenario == "kill-ps":
+    print("training finished, which it must not")
+task = os.environ["TFSTRAT_TASK"].replace(":", "_")
+with open(os.path.join(out, f"{task}.json"), "w") as f:
+    json.dump(
+        {
+            "iterations": int(model.optimizer.iterations.numpy()),
+            "dropped": strategy.dropped,
+            "loss": history.history["loss"],
+        },
+        f,
+    )
