@@ -12,6 +12,7 @@ from tfstrat import LaunchConfig, launch
 pytestmark = pytest.mark.cluster
 SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
 sys.path.insert(0, SCRIPTS)
+from cluster import assert_chief_wrote_and_workers_restored  # noqa: E402
 from common import relative_errors  # noqa: E402
 
 TOLERANCE = 1e-5
@@ -168,29 +169,8 @@ def test_a_killed_peer_fails_the_others_within_the_timeout():
 
 
 def test_only_the_chief_writes_and_every_worker_restores(tmp_path):
-    import json
-
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     code, out = _launch(2, "callbacks_run.py", str(tmp_path), env={"TMPDIR": str(scratch)})
     assert code == 0, out[-6000:]
-    results = [json.loads((tmp_path / f"worker_{i}.json").read_text()) for i in range(2)]
-    # Run 2 resumed after epoch 2 on both workers (a worker that did not restore would start
-    # at epoch 0 and its collectives would not match the other's).
-    assert results[0]["epochs"] == results[1]["epochs"] == [[0, 1], [2]]
-    assert results[0]["weights0"] == results[1]["weights0"]
-    assert sorted(os.listdir(tmp_path / "ckpt")) == [
-        "e1.weights.h5",
-        "e2.weights.h5",
-        "e3.weights.h5",
-    ]
-    assert sorted(os.listdir(tmp_path / "backup")) == [
-        "latest.weights.h5",
-        "training_metadata.json",
-    ]
-    # One writer: one event file per TensorBoard run directory and fit call.
-    for run in ("train",):
-        events = os.listdir(tmp_path / "tb" / run)
-        assert len(events) == 2, events
-    # Worker 1's scratch directories are gone.
-    assert not os.listdir(scratch), os.listdir(scratch)
+    assert_chief_wrote_and_workers_restored(tmp_path, scratch)

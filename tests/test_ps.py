@@ -219,3 +219,16 @@ def test_a_cluster_without_ps_tasks_is_refused():
 
     with pytest.raises(ValueError, match="without ps tasks.*tfstrat launch --ps 1"):
         ParameterServer(TFConfig.local(workers=2).for_task("worker", 0))
+
+
+@pytest.mark.cluster
+def test_only_the_chief_writes_and_every_worker_restores(tmp_path):
+    from cluster import assert_chief_wrote_and_workers_restored
+
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    code, log = launch_script(
+        "callbacks_run.py", str(tmp_path), "ps", workers=2, ps=1, env={"TMPDIR": str(scratch)}
+    )
+    assert code == 0, log[-6000:]
+    assert_chief_wrote_and_workers_restored(tmp_path, scratch)

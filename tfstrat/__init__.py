@@ -23,6 +23,7 @@ _LAZY = {
     "MirroredNCCL": "tfstrat.strategies.mirrored",
     "CollectiveAllReduce": "tfstrat.strategies.collective",
     "ParameterServer": "tfstrat.strategies.ps",
+    "Hybrid": "tfstrat.strategies.hybrid",
 }
 
 __all__ = [

@@ -94,6 +94,32 @@ def _free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
             sock.close()
 
 
+def _free_port_pairs(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` ports p whose p + 1 was free too (a ps task's RPC server listens there)."""
+    found: list[int] = []
+    held: list[socket.socket] = []
+    try:
+        for _ in range(200 * max(count, 1)):
+            if len(found) == count:
+                return found
+            first = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            first.bind((host, 0))
+            held.append(first)
+            port = first.getsockname()[1]
+            second = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                second.bind((host, port + 1))
+            except OSError:
+                second.close()
+                continue
+            held.append(second)
+            found.append(port)
+        raise TFConfigError(f"Received: {count} ps tasks on {host!r}; no two adjacent free ports.")
+    finally:
+        for sock in held:
+            sock.close()
+
+
 def _is_ipv6(text: str) -> bool:
     try:
         return isinstance(ipaddress.ip_address(text), ipaddress.IPv6Address)
@@ -269,9 +295,14 @@ class TFConfig:
             raise TFConfigError(
                 f"Received: workers={workers}, chief={chief}. Ask for at least one worker."
             )
-        ports = iter(_free_ports(sum(counts.values())))
+        ports = iter(_free_ports(sum(counts.values()) - counts["ps"]))
+        # A ps task also serves Hybrid's tables over RPC on its port + 1.
+        pairs = iter(_free_port_pairs(counts["ps"]))
         return cls(
-            {job: [f"127.0.0.1:{next(ports)}" for _ in range(n)] for job, n in counts.items()}
+            {
+                job: [f"127.0.0.1:{next(pairs if job == 'ps' else ports)}" for _ in range(n)]
+                for job, n in counts.items()
+            }
         )
 
     @classmethod

@@ -135,7 +135,7 @@ def _stop(tasks: Sequence[_Task], grace: float):
 def _report_failure(task: _Task, code: int, out: TextIO):
     bar = "=" * 72
     out.write(
-        f"{bar}\ntfstrat launch: {task.name} failed first (exit code {code}); "
+        f"{bar}\ntfstrat launch: {task.name} failed first (exit code {code}{_signal_name(code)}); "
         f"stopped the other tasks.\nLast lines of {task.name}:\n"
     )
     for line in task.tail:
@@ -258,3 +258,15 @@ def launch(config: LaunchConfig, out: TextIO | None = None, *, _make_cluster=Non
     finally:
         if in_main:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _signal_name(code: int) -> str:
+    """ ", killed by SIGSEGV" for a negative exit code, else ""."""
+    import signal
+
+    if code >= 0:
+        return ""
+    try:
+        return f", killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return ""

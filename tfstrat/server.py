@@ -27,8 +27,11 @@ def start_server(tf_config: TFConfig, task: tuple[str, int] | None = None):
         TFConfigError: no task given, or the task is not in the cluster.
         ServerError: the server could not bind its address.
     """
+    import faulthandler
+
     import tensorflow as tf
 
+    faulthandler.enable()  # a crash of the server prints its Python stacks
     if task is not None:
         tf_config = tf_config.for_task(*task)
     if tf_config.task_type is None:
@@ -55,8 +58,27 @@ def start_server(tf_config: TFConfig, task: tuple[str, int] | None = None):
             f"Could not start gRPC server for {task_type}:{index} at {address}: "
             f"{str(e).splitlines()[0]}. Is the port in use, or the host not this machine?"
         ) from e
+    if task_type == "ps":
+        _serve_tables(address)
     logger.info("tfstrat server: %s:%d serving at %s", task_type, index, address)
     return server
+
+
+_table_servers: list = []  # kept alive with the process
+
+
+def _serve_tables(address: str) -> None:
+    """Hybrid's tables: an RPC server on the ps task's port + 1 (`tfstrat.ps.tables`)."""
+    from tfstrat.ps.tables import rpc_address, serve_tables
+
+    rpc = rpc_address(address)
+    try:
+        _table_servers.append(serve_tables(rpc))
+    except Exception as e:  # TensorFlow raises several kinds for a taken port
+        raise ServerError(
+            f"Could not start the table server at {rpc} (the ps port + 1): "
+            f"{str(e).splitlines()[0]}. Hybrid's ps tasks need that port free too."
+        ) from e
 
 
 def serve(tf_config: TFConfig, task: tuple[str, int] | None = None) -> None:

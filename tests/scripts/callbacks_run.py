@@ -1,6 +1,6 @@
-"""Chief-aware callbacks on a CollectiveAllReduce cluster (run by `tfstrat launch`).
+"""Chief-aware callbacks on a CollectiveAllReduce or ParameterServer cluster (`tfstrat launch`).
 
-Usage: python callbacks_run.py DIR
+Usage: python callbacks_run.py DIR [collective|ps]
 Run 1 trains 2 epochs with ModelCheckpoint, TensorBoard and BackupAndRestore writing under DIR;
 run 2 (a fresh model, as after a restart) asks for 3 epochs and must resume after epoch 2.
 """
@@ -11,7 +11,10 @@ import sys
 
 import tfstrat
 
-strategy = tfstrat.CollectiveAllReduce(timeout=60)
+if len(sys.argv) > 2 and sys.argv[2] == "ps":
+    strategy = tfstrat.ParameterServer(timeout=60)
+else:
+    strategy = tfstrat.CollectiveAllReduce(timeout=60)
 
 import keras  # noqa: E402
 from common import build_model, compile_model, data, optimizer  # noqa: E402

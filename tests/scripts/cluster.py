@@ -62,3 +62,29 @@ def start_task(config: TFConfig, task: str, index: int, *args) -> subprocess.Pop
         text=True,
         start_new_session=True,
     )
+
+
+def assert_chief_wrote_and_workers_restored(out_dir, scratch) -> None:
+    """The checks of callbacks_run.py's outputs: one writer, every worker resumed."""
+    import json
+
+    results = [json.loads((out_dir / f"worker_{i}.json").read_text()) for i in range(2)]
+    # Run 2 resumed after epoch 2 on both workers (a worker that did not restore would start
+    # at epoch 0 and its collectives would not match the other's).
+    assert results[0]["epochs"] == results[1]["epochs"] == [[0, 1], [2]]
+    assert results[0]["weights0"] == results[1]["weights0"]
+    assert sorted(os.listdir(out_dir / "ckpt")) == [
+        "e1.weights.h5",
+        "e2.weights.h5",
+        "e3.weights.h5",
+    ]
+    assert sorted(os.listdir(out_dir / "backup")) == [
+        "latest.weights.h5",
+        "training_metadata.json",
+    ]
+    # One writer: one event file per TensorBoard run directory and fit call.
+    for run in ("train",):
+        events = os.listdir(out_dir / "tb" / run)
+        assert len(events) == 2, events
+    # Worker 1's scratch directories are gone.
+    assert not os.listdir(scratch), os.listdir(scratch)

@@ -131,7 +131,7 @@ def table(rows, c: SparseConfig) -> str:
                 r["workers"],
                 f"{r['examples_per_s']:,.0f} ({r['examples_per_s_min']:,.0f}-{r['examples_per_s_max']:,.0f})",
                 f"{r['vs_P1']:.2f}",
-                f"{sent:,}" if sent is not None else "not measured",
+                f"{sent:,.0f}" if sent is not None else "not measured",
                 f"{100 * sent / r['table_bytes']:.2f}%" if sent is not None else "-",
                 f"{r['final_loss']:.4f}",
                 f"{r['peak_rss_mb']:,.0f}",
@@ -144,7 +144,10 @@ def table(rows, c: SparseConfig) -> str:
         f"{c.batch_per_device} examples per worker per step; median of {c.repeats} timed "
         f"epochs of {c.steps} steps after a warm-up epoch. Bytes sent: what tfstrat hands "
         "its collectives per step (ring arithmetic: 2(n-1)/n x S for an all-reduce of S bytes, "
-        f"(n-1) x S for an all-gather). Machine: {m.get('cpus')} CPUs, TensorFlow "
+        "(n-1) x S for an all-gather); for ParameterServer rows, the bytes worker 0's sockets "
+        "to the ps carried per step, both directions (the dense head's weights and gradients "
+        "included). Keras 3 rows use tfstrat.keras.layers.Embedding. "
+        f"Machine: {m.get('cpus')} CPUs, TensorFlow "
         f"{m.get('tensorflow')}, Keras {m.get('keras')}."
     )
 

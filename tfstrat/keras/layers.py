@@ -9,6 +9,8 @@ parts split along the first axis, one variable per part, each on its own ps task
 
 Same arguments, weight names and saved format as `keras.layers.Embedding`: a partitioned table
 is saved as one array and loads into a stock layer, or into a different number of parts.
+Under `tfstrat.Hybrid` with ps tasks the table lives on the ps tasks (`tfstrat.ps.remote`): the
+layer holds only a scalar "anchor" weight whose gradient carries the rows' gradient to the ps.
 Quantized and LoRA tables fall back to the stock path.
 """
 
@@ -41,10 +43,24 @@ class Embedding(keras.layers.Embedding):
     """Drop-in `keras.layers.Embedding` whose lookup moves only the rows it needs."""
 
     _parts: list | None = None
+    _remote = None  # a table on ps tasks under tfstrat.Hybrid (tfstrat.ps.remote.RemoteTable)
 
     def build(self, input_shape=None):
         if self.built:
             return
+        strategy = tf.distribute.get_strategy()
+        remote_table = getattr(strategy, "remote_table", None)
+        if remote_table and not (self.quantization_mode or self.lora_rank):
+            self._remote = remote_table(self)
+            if self._remote is not None:
+                # The worker holds no copy of the table: a scalar stands in for it in Keras's
+                # gradient, and its gradient is what pushes the rows' gradient to the ps.
+                self._strategy = strategy
+                self._anchor = self.add_weight(
+                    shape=(), initializer="zeros", name="anchor", trainable=True
+                )
+                self.built = True
+                return
         layout = _layout(self)
         if len(layout) == 1 or self.quantization_mode or self.lora_rank:
             from tfstrat.ps.variables import pinned
@@ -92,6 +108,8 @@ class Embedding(keras.layers.Embedding):
 
     @property
     def embeddings(self):
+        if self._remote is not None:  # a copy of the whole table, read from the ps tasks
+            return tf.constant(self._remote.numpy())
         if self._parts:
             return tf.concat([p.value for p in self._parts], axis=0)
         return super().embeddings
@@ -103,6 +121,10 @@ class Embedding(keras.layers.Embedding):
         return [table] if isinstance(table, tf.Variable) else None
 
     def call(self, inputs):
+        if self._remote is not None:
+            s = self._strategy
+            rows = self._remote.lookup(inputs, self._anchor, s.table_step, s.table_hyper)
+            return tf.cast(rows, self.compute_dtype)
         tables = None if (self.quantization_mode or self.lora_enabled) else self._tables()
         if tables is None:
             return super().call(inputs)
@@ -113,12 +135,15 @@ class Embedding(keras.layers.Embedding):
         return tf.cast(outputs, self.compute_dtype)
 
     def save_own_variables(self, store):
+        if self._remote is not None:
+            store["0"] = self._remote.numpy()
+            return
         if not self._parts:
             return super().save_own_variables(store)
         store["0"] = np.concatenate([p.numpy() for p in self._parts], axis=0)
 
     def load_own_variables(self, store):
-        if not self._parts:
+        if not self._parts and self._remote is None:
             return super().load_own_variables(store)
         table = np.asarray(store["0"])
         if table.shape != (self.input_dim, self.output_dim):
@@ -126,5 +151,8 @@ class Embedding(keras.layers.Embedding):
                 f"Layer {self.name!r}: the saved table has shape {table.shape}, this layer "
                 f"{(self.input_dim, self.output_dim)}."
             )
+        if self._remote is not None:
+            self._remote.assign(table)
+            return
         for part, (lo, hi) in zip(self._parts, part_bounds(self.input_dim, len(self._parts))):
             part.assign(table[lo:hi])

@@ -1,0 +1,86 @@
+"""Hybrid: dense variables all-reduced, embedding tables on ps tasks; real processes."""
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
+sys.path.insert(0, SCRIPTS)
+from cluster import launch_script, run_script  # noqa: E402
+from common import relative_errors  # noqa: E402
+
+TOLERANCE = 1e-5
+STEPS = 40  # hybrid_equiv.py: 2 epochs of 20 global batches
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hybrid_reference")
+    run_script("hybrid_equiv.py", str(out), "--reference")
+    return out
+
+
+def _check(out, reference):
+    names = ("sgd", "adagrad")
+    files = [str(out / f"{n}.weights.h5") for n in names]
+    run_script("hybrid_equiv.py", str(out), "--reference", "--load", *files)
+    ref = np.load(reference / "reference.npz")
+    for name, path in zip(names, files):
+        npz = np.load(path + ".npz")
+        weights = [npz[f"arr_{i}"] for i in range(len(npz.files))]
+        errs = relative_errors(weights, [ref[f"{name}/w{i}"] for i in range(len(weights))])
+        assert max(errs) <= TOLERANCE, (name, errs)
+
+
+def _copy_init(reference, out):
+    import shutil
+
+    shutil.copy(reference / "init.weights.h5", out / "init.weights.h5")
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("ps", [1, 0])
+def test_two_workers_equal_single_device(reference, tmp_path, ps):
+    _copy_init(reference, tmp_path)
+    code, log = launch_script("hybrid_equiv.py", str(tmp_path), "--partitions=2", workers=2, ps=ps)
+    assert code == 0, log[-6000:]
+    _check(tmp_path, reference)
+    report = json.loads((tmp_path / "worker_1.json").read_text())
+    for name in ("sgd", "adagrad"):
+        assert report[name]["iterations"] == STEPS
+        assert report[name]["predict_rows"] == 480
+    dense = report["dense_devices"]
+    assert all(d.startswith("/job:worker/") for p, d in dense.items() if "dense" in p), dense
+    if ps:  # both tables on the ps task, in two parts each; nothing of them on the workers
+        assert report["placement"] == {
+            "users/embeddings": ["/job:ps/replica:0/task:0/device:CPU:0"] * 2,
+            "items/embeddings": ["/job:ps/replica:0/task:0/device:CPU:0"] * 2,
+        }
+        assert not any("users" in p or "items" in p for p in dense), dense
+    else:  # mirrored on the workers
+        assert report["placement"] == {}
+        assert dense["users/embeddings"].startswith("/job:worker/"), dense
+
+
+@pytest.mark.cluster
+def test_bytes_per_step_scale_with_rows_touched_not_vocabulary(tmp_path):
+    sent = {}
+    for scale in (1, 10):
+        out = tmp_path / f"x{scale}"
+        out.mkdir()
+        code, log = launch_script(
+            "hybrid_equiv.py",
+            str(out),
+            "--steps-only=10",
+            f"--vocab-scale={scale}",
+            workers=2,
+            ps=1,
+        )
+        assert code == 0, log[-6000:]
+        sent[scale] = json.loads((out / "worker_0.json").read_text())["bytes_per_step"]
+    table_bytes = (1000 + 500) * 10 * 8 * 4
+    assert 0 < sent[10] < 0.2 * table_bytes, sent
+    assert abs(sent[10] - sent[1]) <= 0.2 * sent[1], sent

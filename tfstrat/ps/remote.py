@@ -1,0 +1,176 @@
+"""The worker's side of ps-held tables (`tfstrat.ps.tables`): lookups and pushes over RPC.
+
+A table of R rows split into P parts lives on the ps tasks part by part ("div" layout, as
+`tf.nn.embedding_lookup`). A lookup deduplicates the ids, asks each part's ps for its rows
+(the calls run concurrently) and stitches them back. Its gradient is never materialised for
+the whole table: the rows' gradient is summed per id (local aggregation) and pushed to the
+parts, and what the layer hands to Keras is the gradient of a scalar "anchor" variable that
+depends on the pushes. That anchor's gradient is all-reduced with the dense gradients, so when
+any worker's all-reduce completes, every worker's push of the step has been applied on the ps
+(the last push of a step applies it before it returns) and the next lookup sees the new rows.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import tensorflow as tf
+
+from tfstrat.ps.tables import OPTIMIZERS, rpc_address
+
+
+class TableClients:
+    """One RPC client per ps task."""
+
+    def __init__(self, ps_addresses, timeout: float, worker: int):
+        self.addresses = [rpc_address(a) for a in ps_addresses]
+        self.timeout_ms = int(timeout * 1000)
+        self.clients = [
+            tf.distribute.experimental.rpc.Client.create(
+                "grpc", address, name=f"tfstrat_w{worker}_ps{i}", timeout_in_ms=self.timeout_ms
+            )
+            for i, address in enumerate(self.addresses)
+        ]
+
+    def call(self, ps: int, method: str, args, out: tf.TensorSpec):
+        return self.clients[ps].call(method, args, output_specs=out, timeout_in_ms=self.timeout_ms)
+
+
+_I64 = tf.TensorSpec([], tf.int64)
+_ROWS = tf.TensorSpec([None], tf.float32)
+
+
+class RemoteTable:
+    """A table on ps tasks: `parts[k] = (ps task, table number, first row, end row)`."""
+
+    def __init__(self, clients: TableClients, name, rows, dim, parts, workers, init: dict):
+        self.clients, self.name, self.rows, self.dim = clients, name, rows, dim
+        self.parts = parts
+        for ps, number, lo, hi in parts:
+            clients.call(
+                ps,
+                "create",
+                [
+                    tf.constant(number, tf.int64),
+                    tf.constant(hi - lo, tf.int64),
+                    tf.constant(dim, tf.int64),
+                    tf.constant(workers, tf.int64),
+                    tf.constant(json.dumps(init)),
+                ],
+                _I64,
+            ).get_value()
+
+    @property
+    def devices(self) -> list[str]:
+        return [f"/job:ps/replica:0/task:{ps}/device:CPU:0" for ps, *_ in self.parts]
+
+    # -- reading and writing whole tables (checkpoints) ------------------------------------
+
+    def numpy(self) -> np.ndarray:
+        chunks = []
+        for ps, number, lo, hi in self.parts:
+            for a in range(0, hi - lo, 65536):
+                b = min(hi - lo, a + 65536)
+                args = [
+                    tf.constant(number, tf.int64),
+                    tf.constant(a, tf.int64),
+                    tf.constant(b, tf.int64),
+                ]
+                flat = self.clients.call(ps, "read", args, _ROWS).get_value()
+                chunks.append(flat.numpy().reshape(b - a, self.dim))
+        return np.concatenate(chunks, axis=0)
+
+    def assign(self, table: np.ndarray) -> None:
+        table = np.asarray(table, np.float32)
+        for ps, number, lo, hi in self.parts:
+            for a in range(0, hi - lo, 65536):
+                b = min(hi - lo, a + 65536)
+                flat = table[lo + a : lo + b].reshape(-1)
+                args = [tf.constant(number, tf.int64), tf.constant(a, tf.int64), tf.constant(flat)]
+                self.clients.call(ps, "write", args, _I64).get_value()
+
+    # -- in the step --------------------------------------------------------------------
+
+    def _split(self, ids):
+        """Per part: (positions in `ids`, ids local to the part)."""
+        bounds = [lo for _, _, lo, _ in self.parts[1:]]
+        part = (
+            tf.searchsorted(tf.constant(bounds, tf.int64), ids, side="right")
+            if bounds
+            else tf.zeros_like(ids, tf.int32)
+        )
+        part = tf.cast(part, tf.int32)
+        positions = tf.dynamic_partition(tf.range(tf.size(ids)), part, len(self.parts))
+        local = tf.dynamic_partition(ids, part, len(self.parts))
+        starts = [lo for _, _, lo, _ in self.parts]
+        return positions, [ids_k - starts[k] for k, ids_k in enumerate(local)]
+
+    def fetch(self, unique_ids):
+        positions, local = self._split(unique_ids)
+        futures = [
+            self.clients.call(ps, "lookup", [tf.constant(number, tf.int64), ids_k], _ROWS)
+            for (ps, number, _, _), ids_k in zip(self.parts, local)
+        ]
+        rows = [tf.reshape(f.get_value(), [-1, self.dim]) for f in futures]
+        return tf.dynamic_stitch(positions, rows)
+
+    def push(self, unique_ids, grads, step, hyper):
+        positions, local = self._split(unique_ids)
+        futures = []
+        for (ps, number, _, _), pos, ids_k in zip(self.parts, positions, local):
+            g = tf.reshape(tf.gather(grads, pos), [-1])
+            args = [tf.constant(number, tf.int64), step, ids_k, g, hyper]
+            futures.append(self.clients.call(ps, "push", args, _I64))
+        return tf.add_n([f.get_value() for f in futures])
+
+    def lookup(self, ids, anchor, step_fn, hyper_fn):
+        """Rows for `ids` (any shape); the gradient w.r.t. `anchor` pushes the rows' gradient."""
+        flat = tf.reshape(tf.cast(ids, tf.int64), [-1])
+        unique, index = tf.unique(flat)
+
+        @tf.custom_gradient
+        def rows_of(a):
+            rows = tf.gather(self.fetch(unique), index)
+
+            def grad(d_rows):
+                summed = tf.math.unsorted_segment_sum(d_rows, index, tf.shape(unique)[0])
+                versions = self.push(unique, summed, step_fn(), hyper_fn())
+                done = tf.cast(tf.reshape(versions, []), a.dtype)
+                return tf.zeros_like(a) + 0.0 * done  # 0, once the pushes are done
+
+            return rows, grad
+
+        rows = rows_of(anchor)
+        return tf.reshape(rows, tf.concat([tf.shape(ids), [self.dim]], 0))
+
+
+def optimizer_hyper(optimizer) -> tf.Tensor:
+    """[kind, learning_rate, beta_1, beta_2, epsilon, initial_accumulator] of a Keras optimizer."""
+    name = type(optimizer).__name__
+    kind = None
+    for cls in type(optimizer).__mro__:
+        kind = OPTIMIZERS.get(cls.__name__) if kind is None else kind
+    if (
+        kind is None
+        or (name == "SGD" and getattr(optimizer, "momentum", 0))
+        or getattr(optimizer, "amsgrad", False)
+    ):
+        raise ValueError(
+            f"Received: optimizer {name}{' with momentum' if getattr(optimizer, 'momentum', 0) else ''}"
+            " for a table on ps tasks. Hybrid updates ps-held tables row by row with SGD "
+            "(no momentum), Adagrad or Adam; use one of those, or keep the tables mirrored "
+            "with Hybrid(sparse=[])."
+        )
+    lr = tf.cast(optimizer.learning_rate, tf.float32)
+    get = lambda attr, default: float(getattr(optimizer, attr, default) or default)  # noqa: E731
+    return tf.stack(
+        [
+            tf.constant(float(kind)),
+            lr,
+            tf.constant(get("beta_1", 0.9)),
+            tf.constant(get("beta_2", 0.999)),
+            tf.constant(get("epsilon", 1e-7)),
+            tf.constant(get("initial_accumulator_value", 0.1)),
+        ]
+    )

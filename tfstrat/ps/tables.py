@@ -1,0 +1,184 @@
+"""Embedding tables held by ps tasks and reached through `tf.distribute.experimental.rpc`.
+
+Hybrid's workers run collectives, which cannot share a process with remote eager devices
+(DESIGN.md fact 11), so its tables live behind an RPC server on each ps task (fact 12). All
+RPC methods must be registered before the server starts (fact 13) and a ps starts before any
+model exists, so the methods are generic over a registry of tables, addressed by number:
+
+    create(table, rows, dim, workers, init)    -> 0     (idempotent; `init` is JSON)
+    lookup(table, ids)                         -> rows, flattened
+    push(table, step, ids, grads, hyper)       -> the table's version after this push
+    read(table, lo, hi) / write(table, lo, v)  -> rows lo..hi, flattened / 0
+
+A table collects the pushes of one step from every worker and, on the last, applies their sum
+with a row-wise (lazy) optimizer update: only the pushed rows of the table and of its slots
+change. SGD and Adagrad updates equal Keras's dense update on the same gradient; Adam's is
+the lazy variant (rows not in the batch keep their moments and values).
+
+The RPC server listens on the ps task's port + 1; port itself serves `tf.distribute.Server`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+
+import numpy as np
+import tensorflow as tf
+
+logger = logging.getLogger(__name__)
+
+# hyper = [kind, learning_rate, beta_1, beta_2, epsilon, initial_accumulator_value]
+SGD, ADAGRAD, ADAM = 0, 1, 2
+OPTIMIZERS = {"SGD": SGD, "Adagrad": ADAGRAD, "Adam": ADAM}
+
+
+def rpc_address(ps_address: str) -> str:
+    host, port = ps_address.rsplit(":", 1)
+    return f"{host}:{int(port) + 1}"
+
+
+class Table:
+    """One table (or one part of a partitioned table) and its optimizer slots."""
+
+    def __init__(self, rows: int, dim: int, workers: int, init: dict):
+        self.rows, self.dim, self.workers = rows, dim, workers
+        self.value = tf.Variable(_initial(rows, dim, init), name="table")
+        self.slots: dict[str, tf.Variable] = {}
+        self.pending: list[tuple[tf.Tensor, tf.Tensor]] = []
+        self.pending_step = None
+        self.version = 0
+        self.lock = threading.Lock()
+
+    def lookup(self, ids):
+        return tf.reshape(tf.gather(self.value, ids), [-1])
+
+    def push(self, step, ids, grads, hyper):
+        grads = tf.reshape(grads, [-1, self.dim])
+        with self.lock:
+            if self.pending and int(step) != self.pending_step:
+                raise ValueError(
+                    f"tfstrat table: a push for step {int(step)} while step "
+                    f"{self.pending_step} has {len(self.pending)} of {self.workers} pushes. "
+                    "Every worker must run the same steps."
+                )
+            self.pending.append((ids, grads))
+            self.pending_step = int(step)
+            if len(self.pending) == self.workers:
+                all_ids = tf.concat([i for i, _ in self.pending], 0)
+                all_grads = tf.concat([g for _, g in self.pending], 0)
+                unique, index = tf.unique(all_ids)
+                summed = tf.math.unsorted_segment_sum(all_grads, index, tf.shape(unique)[0])
+                self._apply(unique, summed, hyper.numpy(), int(step))
+                self.pending = []
+                self.version += 1
+            return self.version
+
+    def _slot(self, name: str, fill: float) -> tf.Variable:
+        if name not in self.slots:
+            self.slots[name] = tf.Variable(tf.fill([self.rows, self.dim], fill), name=name)
+        return self.slots[name]
+
+    def _apply(self, ids, grads, hyper, step):
+        kind, lr, beta_1, beta_2, epsilon, initial_accumulator = hyper
+        var = self.value
+        if kind == SGD:
+            var.scatter_sub(tf.IndexedSlices(lr * grads, ids))
+        elif kind == ADAGRAD:
+            acc = self._slot("accumulator", float(initial_accumulator))
+            rows = tf.gather(acc, ids) + tf.square(grads)
+            acc.scatter_update(tf.IndexedSlices(rows, ids))
+            var.scatter_sub(tf.IndexedSlices(lr * grads / tf.sqrt(rows + epsilon), ids))
+        elif kind == ADAM:
+            m, v = self._slot("momentum", 0.0), self._slot("velocity", 0.0)
+            t = step + 1
+            m_rows = beta_1 * tf.gather(m, ids) + (1 - beta_1) * grads
+            v_rows = beta_2 * tf.gather(v, ids) + (1 - beta_2) * tf.square(grads)
+            m.scatter_update(tf.IndexedSlices(m_rows, ids))
+            v.scatter_update(tf.IndexedSlices(v_rows, ids))
+            alpha = lr * np.sqrt(1 - beta_2**t) / (1 - beta_1**t)
+            var.scatter_sub(tf.IndexedSlices(alpha * m_rows / (tf.sqrt(v_rows) + epsilon), ids))
+        else:
+            raise ValueError(f"tfstrat table: unknown optimizer kind {kind}")
+
+
+def _initial(rows: int, dim: int, init: dict) -> tf.Tensor:
+    """The initial table: from a Keras initializer's config and seed, computed on the ps."""
+    if init.get("zeros", False):
+        return tf.zeros([rows, dim])
+    import keras
+
+    initializer = keras.initializers.deserialize(init["initializer"])
+    if init.get("seed") is not None and hasattr(initializer, "seed"):
+        initializer.seed = init["seed"]
+    return tf.convert_to_tensor(initializer((rows, dim), dtype="float32"))
+
+
+class Registry:
+    """The tables of one ps task, by number."""
+
+    def __init__(self):
+        self.tables: dict[int, Table] = {}
+        self.lock = threading.Lock()
+
+    def get(self, table) -> Table:
+        try:
+            return self.tables[int(table)]
+        except KeyError:
+            raise ValueError(f"tfstrat table {int(table)} does not exist on this ps") from None
+
+    def create(self, table, rows, dim, workers, init):
+        with self.lock:
+            key = int(table)
+            if key not in self.tables:
+                spec = json.loads(init.numpy().decode())
+                self.tables[key] = Table(int(rows), int(dim), int(workers), spec)
+                logger.info("tfstrat server: table %d, %d x %d", key, int(rows), int(dim))
+            return tf.constant(0, tf.int64)
+
+    def read(self, table, lo, hi):
+        return tf.reshape(self.get(table).value[int(lo) : int(hi)], [-1])
+
+    def write(self, table, lo, values):
+        t = self.get(table)
+        rows = tf.reshape(values, [-1, t.dim])
+        t.value[int(lo) : int(lo) + rows.shape[0]].assign(rows)
+        return tf.constant(0, tf.int64)
+
+
+def serve_tables(address: str):
+    """Starts the RPC server of a ps task's tables at `address`; returns (server, registry)."""
+    registry = Registry()
+    server = tf.distribute.experimental.rpc.Server.create("grpc", address)
+    spec = tf.TensorSpec
+    i64, f32 = tf.int64, tf.float32
+
+    def method(name, fn, signature, out):
+        def call(*args):
+            return tf.py_function(fn, list(args), out)
+
+        server.register(name, tf.function(call, input_signature=signature))
+
+    method(
+        "create",
+        registry.create,
+        [spec([], i64), spec([], i64), spec([], i64), spec([], i64), spec([], tf.string)],
+        i64,
+    )
+    method(
+        "lookup",
+        lambda t, ids: registry.get(t).lookup(ids),
+        [spec([], i64), spec([None], i64)],
+        f32,
+    )
+    method(
+        "push",
+        lambda t, s, ids, g, h: tf.constant(registry.get(t).push(s, ids, g, h), i64),
+        [spec([], i64), spec([], i64), spec([None], i64), spec([None], f32), spec([6], f32)],
+        i64,
+    )
+    method("read", registry.read, [spec([], i64), spec([], i64), spec([], i64)], f32)
+    method("write", registry.write, [spec([], i64), spec([], i64), spec([None], f32)], i64)
+    server.start()
+    return server, registry

@@ -1,0 +1,195 @@
+"""`Hybrid`: Parallax's split. Dense variables all-reduced, embedding tables on ps tasks.
+
+Dense variables are mirrored on every worker and reduced exactly as in `CollectiveAllReduce`
+(this class is one). Tables of `tfstrat.keras.layers.Embedding` layers go to the ps tasks,
+split into parts, and are reached over RPC (`tfstrat.ps.tables`, `tfstrat.ps.remote`): a step
+moves only the rows its batch touches, each worker sums its rows per id before sending, and
+the ps updates only those rows and their optimizer slots. Without ps tasks every table stays
+mirrored and its gradient goes through the deduplicated sparse all-gather, so `Hybrid()`
+works on any cluster and on one machine.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+
+import tensorflow as tf
+
+from tfstrat.cluster import TFConfig
+from tfstrat.strategies.collective import DEFAULT_TIMEOUT, CollectiveAllReduce, _env_config
+
+logger = logging.getLogger(__name__)
+
+
+def _without_ps(tf_config: TFConfig) -> TFConfig:
+    cluster = {job: list(a) for job, a in tf_config.cluster.items() if job != "ps"}
+    return TFConfig(cluster, tf_config.task_type, tf_config.task_index, tf_config.rpc_layer)
+
+
+class Hybrid(CollectiveAllReduce):
+    """Dense variables all-reduced among the workers; embedding tables on the ps tasks.
+
+    Args:
+        tf_config: the cluster; None reads `TF_CONFIG`. ps tasks are optional.
+        sparse: which `tfstrat.keras.layers.Embedding` tables go to the ps tasks: "auto" (all
+            of them), or a list of name patterns (fnmatch, matched against the layer's name
+            and its table's path, e.g. ["*item*"]); [] keeps every table mirrored.
+        partitions: parts per table on the ps tasks: "auto" (one per ps task) or an integer.
+        sparse_as_dense: for mirrored tables, as in `CollectiveAllReduce`.
+        timeout: seconds any collective or RPC may take before failing with an error.
+        devices, communication: as in `CollectiveAllReduce`.
+
+    Tables on ps tasks are updated row by row: SGD (without momentum) and Adagrad exactly as
+    Keras's dense update of the same gradient, Adam lazily (rows outside the batch keep their
+    moments). Other optimizers need `sparse=[]`. Gradient clipping does not see the tables.
+    """
+
+    def __init__(
+        self,
+        tf_config: TFConfig | None = None,
+        *,
+        sparse: str | list[str] = "auto",
+        partitions: str | int = "auto",
+        sparse_as_dense: str | float | bool = "auto",
+        timeout: float = DEFAULT_TIMEOUT,
+        devices=None,
+        communication: str = "auto",
+    ):
+        tf_config = tf_config if tf_config is not None else _env_config()
+        ps = tuple(tf_config.addresses("ps")) if tf_config is not None else ()
+        if tf_config is not None and tf_config.task_type == "ps":
+            from tfstrat.server import serve_until_workers_exit
+
+            serve_until_workers_exit(tf_config)  # does not return
+        if sparse != "auto" and not isinstance(sparse, (list, tuple)):
+            raise ValueError(f"Received: sparse={sparse!r}. Use 'auto' or a list of name patterns.")
+        if partitions != "auto" and not (isinstance(partitions, int) and partitions >= 1):
+            raise ValueError(f"Received: partitions={partitions!r}. Use 'auto' or an integer >= 1.")
+        super().__init__(
+            _without_ps(tf_config) if ps else tf_config,
+            devices=devices,
+            communication=communication,
+            sparse_as_dense=sparse_as_dense,
+            timeout=timeout,
+        )
+        self.ps_addresses = ps
+        self.sparse = sparse
+        self.partitions = partitions
+        self.timeout = timeout
+        self.tables: dict[str, object] = {}
+        self._clients = None
+        self._optimizer = None
+        self._next_table = 0
+        self._warned: set[str] = set()
+        if ps:
+            from tfstrat.ps.remote import TableClients
+
+            self._clients = TableClients(ps, timeout, self.worker_index)
+        logger.info(
+            "tfstrat: Hybrid, %d ps task(s): %s",
+            len(ps),
+            "embedding tables on the ps tasks" if ps else "every variable mirrored",
+        )
+
+    # -- tables --------------------------------------------------------------------------
+
+    def _wants_ps(self, layer) -> bool:
+        if not self.ps_addresses:
+            return False
+        if self.sparse == "auto":
+            return True
+        names = (layer.name, f"{layer.name}/embeddings")
+        return any(fnmatch.fnmatch(n, p) for n in names for p in self.sparse)
+
+    def remote_table(self, layer):
+        """A table on the ps tasks for `layer` (a tfstrat Embedding), or None to mirror it."""
+        if not self._wants_ps(layer):
+            return None
+        from tfstrat.keras.layers import part_bounds
+        from tfstrat.ps.remote import RemoteTable
+
+        num_ps = len(self.ps_addresses)
+        parts = num_ps if self.partitions == "auto" else int(self.partitions)
+        parts = max(1, min(parts, layer.input_dim))
+        layout = []
+        for k, (lo, hi) in enumerate(part_bounds(layer.input_dim, parts)):
+            layout.append(((self._next_table + k) % num_ps, self._next_table + k, lo, hi))
+        self._next_table += parts
+        initializer = layer.embeddings_initializer
+        import keras
+
+        init = {
+            "initializer": keras.initializers.serialize(initializer),
+            "seed": getattr(initializer, "seed", None),
+        }
+        if not isinstance(init["seed"], (int, type(None))):
+            init["seed"] = None
+        table = RemoteTable(
+            self._clients,
+            layer.name,
+            layer.input_dim,
+            layer.output_dim,
+            layout,
+            self.num_replicas_in_sync,
+            init,
+        )
+        self.tables[f"{layer.name}/embeddings"] = table
+        logger.info(
+            "tfstrat: table %s (%d x %d) on ps %s in %d part(s)",
+            layer.name,
+            layer.input_dim,
+            layer.output_dim,
+            sorted({ps for ps, *_ in layout}),
+            parts,
+        )
+        return table
+
+    def table_step(self):
+        """The step number a table push carries: the optimizer's iteration counter."""
+        if self._optimizer is None:
+            return tf.constant(0, tf.int64)
+        return tf.cast(self._optimizer.iterations, tf.int64)
+
+    def table_hyper(self):
+        from tfstrat.ps.remote import optimizer_hyper
+
+        if self._optimizer is None:
+            raise ValueError("tfstrat Hybrid: a table was trained outside `model.fit`.")
+        return optimizer_hyper(self._optimizer)
+
+    def placement(self) -> dict[str, list[str]]:
+        """Where each ps-held table lives (its parts' ps devices)."""
+        return {path: table.devices for path, table in self.tables.items()}
+
+    # -- steps --------------------------------------------------------------------------
+
+    def run(self, fn, args=(), kwargs=None, options=None):
+        optimizer = getattr(getattr(fn, "__self__", None), "optimizer", None)
+        if optimizer is not None and optimizer is not self._optimizer:
+            self._optimizer = optimizer
+            self._warn_sparse_dense(optimizer)
+        return super().run(fn, args=args, kwargs=kwargs, options=options)
+
+    def _warn_sparse_dense(self, optimizer):
+        """One warning per mirrored variable whose gradient is sparse (still reduced sparsely)."""
+        if getattr(optimizer, "_tfstrat_hybrid", False):
+            return
+        optimizer._tfstrat_hybrid = True
+        apply = optimizer.apply
+
+        def checked(grads, trainable_variables=None):
+            variables = trainable_variables or optimizer._trainable_variables
+            for g, v in zip(grads, variables):
+                if isinstance(g, tf.IndexedSlices) and v.path not in self._warned:
+                    self._warned.add(v.path)
+                    logger.warning(
+                        "tfstrat: %s is mirrored but its gradient is sparse: it is reduced "
+                        "sparsely (deduplicated all-gather). To hold it on the ps tasks, use "
+                        "tfstrat.keras.layers.Embedding%s.",
+                        v.path,
+                        "" if self.ps_addresses else " and start ps tasks",
+                    )
+            return apply(grads, trainable_variables)
+
+        optimizer.apply = checked
