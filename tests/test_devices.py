@@ -71,10 +71,10 @@ if case == "alone":
 elif case == "ps":
     cfg = tfstrat.TFConfig.from_hosts(worker=["127.0.0.1:2000"], ps=["127.0.0.1:2001"])
     os.environ.update(cfg.for_task("worker", 0).to_env())
-    try:  # no ps runs at that address: ParameterServer names it after the timeout
+    try:  # no ps runs at that address: Hybrid names its table server after the timeout
         tfstrat.auto(timeout=1)
     except TimeoutError as e:
-        assert "Could not reach ps:0 at 127.0.0.1:2001" in str(e), e
+        assert "Could not reach ps:0 at 127.0.0.1:2002" in str(e), e
     else:
         raise AssertionError("auto() reached a ps that does not exist")
 print("OK")
@@ -90,4 +90,4 @@ def test_auto_alone_and_with_ps_tasks():
         if case == "alone":
             assert "tfstrat.auto: TensorFlow's default strategy" in proc.stderr
         else:
-            assert "tfstrat.auto: ParameterServer (TF_CONFIG has 1 ps task(s))" in proc.stderr
+            assert "tfstrat.auto: Hybrid (TF_CONFIG has 1 ps task(s)" in proc.stderr

@@ -4,7 +4,7 @@ Run by the benchmark drivers through `tfstrat launch`, one per task:
     python -m tfstrat.bench._worker '{"strategy": "collective", "model": "small", ...}'
 
 Strategies: "none" (no strategy), "mirrored" (MirroredNCCL), "collective"
-(CollectiveAllReduce), "ps-sync" / "ps-async" (ParameterServer), and the stock peers "tfkeras-none", "tfkeras-mirrored", "tfkeras-mwms"
+(CollectiveAllReduce), "ps-sync" / "ps-async" (ParameterServer), "hybrid", and the stock peers "tfkeras-none", "tfkeras-mirrored", "tfkeras-mwms"
 (tf-keras, TF_USE_LEGACY_KERAS=1) and "keras3-mwms" (stock MWMS under Keras 3).
 """
 
@@ -56,6 +56,10 @@ def _strategy(tf, name: str, devices: int):
         import tfstrat
 
         return tfstrat.CollectiveAllReduce(devices=devices if devices > 1 else None, timeout=120)
+    if name == "hybrid":
+        import tfstrat
+
+        return tfstrat.Hybrid(timeout=120)
     if name in ("ps-sync", "ps-async"):
         import tfstrat
 
@@ -161,6 +165,8 @@ def main(config: dict) -> dict:
         replicas = strategy.num_workers
         addresses = strategy.extended.tf_config.addresses("ps")
         ps_ports = {int(a.rsplit(":", 1)[1]) for a in addresses}
+    if config["strategy"] == "hybrid" and strategy.ps_addresses:  # tables: RPC on port + 1
+        ps_ports = {int(a.rsplit(":", 1)[1]) + 1 for a in strategy.ps_addresses}
     global_batch = int(config["batch_per_device"]) * replicas  # PS: one worker's batch a step
     data = _data(tf, np, config, global_batch)
     if ps_mode:  # built on each worker from the function, not shipped from the coordinator
@@ -204,8 +210,8 @@ def main(config: dict) -> dict:
     rates = [steps * global_batch / s for s in timed]
     ops = getattr(getattr(strategy, "extended", None), "_cross_device_ops", None)
     sent = ops.bytes_sent_per_worker() if hasattr(ops, "bytes_sent_per_worker") else None
-    if ps_ports:
-        sent = traffic.per_step  # measured on the sockets, both directions
+    if ps_ports:  # measured on the sockets to the ps tasks, both directions
+        sent = traffic.per_step + (sent or 0)
     import resource
 
     return {

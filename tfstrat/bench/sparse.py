@@ -1,10 +1,10 @@
 """`tfstrat bench sparse`: an embedding-heavy, LM1B-like model, where Parallax showed its gains.
 
 A 200,000 x 64 embedding of Zipf-distributed ids, two Conv1D layers and a small dense head,
-Adagrad. Rows: one process (one thread, all cores), CollectiveAllReduce, and the stock peers
+Adagrad. Rows: one process (one thread, all cores), CollectiveAllReduce, ParameterServer (sync and
+async), Hybrid with one ps task, and the stock peers
 (tf-keras MultiWorkerMirroredStrategy, and async ParameterServerStrategy with a chief
 coordinator, the workers and one ps task).
-Hybrid rows come when that strategy lands.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ def _rows(c: SparseConfig, cpus: int) -> list[dict]:
     rows += [
         (f"PS-S-{w}", "ParameterServer sync, 1 ps", "ps-sync", w, t, None),
         (f"PS-A-{w}", "ParameterServer async, 1 ps", "ps-async", w, t, None),
+        (f"H-{w}", "Hybrid, 1 ps", "hybrid", w, t, None),
     ]
     if c.peer:
         rows.append(("S-1", "stock, tf-keras, no strategy", "tfkeras-none", 1, t, legacy))
@@ -91,7 +92,7 @@ def run(config: SparseConfig) -> list[dict]:
             workers=row["workers"],
             threads=row["threads"],
             env=row.pop("env"),
-            ps=1 if row["strategy"] in ("tfkeras-ps", "ps-sync", "ps-async") else 0,
+            ps=1 if row["strategy"] in ("tfkeras-ps", "ps-sync", "ps-async", "hybrid") else 0,
             chief=row["strategy"] == "tfkeras-ps",
         )
         row.update(result, machine=machine, table_bytes=table_bytes)
@@ -144,9 +145,9 @@ def table(rows, c: SparseConfig) -> str:
         f"{c.batch_per_device} examples per worker per step; median of {c.repeats} timed "
         f"epochs of {c.steps} steps after a warm-up epoch. Bytes sent: what tfstrat hands "
         "its collectives per step (ring arithmetic: 2(n-1)/n x S for an all-reduce of S bytes, "
-        "(n-1) x S for an all-gather); for ParameterServer rows, the bytes worker 0's sockets "
-        "to the ps carried per step, both directions (the dense head's weights and gradients "
-        "included). Keras 3 rows use tfstrat.keras.layers.Embedding. "
+        "(n-1) x S for an all-gather); for ParameterServer and Hybrid rows, plus the bytes worker "
+        "0's sockets to the ps carried per step, both directions (for ParameterServer, the dense "
+        "head's weights and gradients too). Keras 3 rows use tfstrat.keras.layers.Embedding. "
         f"Machine: {m.get('cpus')} CPUs, TensorFlow "
         f"{m.get('tensorflow')}, Keras {m.get('keras')}."
     )

@@ -13,13 +13,17 @@ from tfstrat.cluster import TFConfig
 logger = logging.getLogger(__name__)
 
 
-def wait_for_ps(tf_config: TFConfig, timeout: float) -> None:
+def wait_for_ps(tf_config: TFConfig, timeout: float, port_offset: int = 0) -> None:
     """Blocks until every ps task accepts TCP connections; fails after `timeout` seconds.
 
     TensorFlow's own connect retries silently for a long time; this names the missing task.
+    `port_offset=1` waits for the ps tasks' table servers (Hybrid) instead.
     """
     deadline = time.monotonic() + timeout
     for index, address in enumerate(tf_config.addresses("ps")):
+        if port_offset:
+            host, port = address.rsplit(":", 1)
+            address = f"{host}:{int(port) + port_offset}"
         host, port = address.rsplit(":", 1)
         while True:
             try:

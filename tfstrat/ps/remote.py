@@ -13,6 +13,7 @@ any worker's all-reduce completes, every worker's push of the step has been appl
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import tensorflow as tf
@@ -35,6 +36,25 @@ class TableClients:
 
     def call(self, ps: int, method: str, args, out: tf.TensorSpec):
         return self.clients[ps].call(method, args, output_specs=out, timeout_in_ms=self.timeout_ms)
+
+    def put_meta(self, key: int, value: int) -> None:
+        args = [tf.constant(key, tf.int64), tf.constant(value, tf.int64)]
+        self.call(0, "put_meta", args, _I64).get_value()
+
+    def wait_meta(self, key: int, timeout: float, what: str) -> int:
+        """Polls ps 0 for the chief's `key` (e.g. a table's partition count)."""
+        deadline, pause = time.monotonic() + timeout, 0.01
+        while True:
+            value = int(self.call(0, "get_meta", [tf.constant(key, tf.int64)], _I64).get_value())
+            if value >= 0:
+                return value
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"Waited {timeout:g} s for the chief to choose {what}. Is the chief alive "
+                    "and running the same model code?"
+                )
+            time.sleep(pause)
+            pause = min(2 * pause, 0.5)
 
 
 _I64 = tf.TensorSpec([], tf.int64)
@@ -60,6 +80,10 @@ class RemoteTable:
                 ],
                 _I64,
             ).get_value()
+
+    def drop(self) -> None:
+        for ps, number, _, _ in self.parts:
+            self.clients.call(ps, "drop", [tf.constant(number, tf.int64)], _I64).get_value()
 
     @property
     def devices(self) -> list[str]:

@@ -9,6 +9,8 @@ model exists, so the methods are generic over a registry of tables, addressed by
     lookup(table, ids)                         -> rows, flattened
     push(table, step, ids, grads, hyper)       -> the table's version after this push
     read(table, lo, hi) / write(table, lo, v)  -> rows lo..hi, flattened / 0
+    drop(table)                                -> 0     (the partition search's trial tables)
+    put_meta(key, value) / get_meta(key)       -> 0 / value, -1 if unset (the chief's choices)
 
 A table collects the pushes of one step from every worker and, on the last, applies their sum
 with a row-wise (lazy) optimizer update: only the pushed rows of the table and of its slots
@@ -120,6 +122,7 @@ class Registry:
 
     def __init__(self):
         self.tables: dict[int, Table] = {}
+        self.meta: dict[int, int] = {}
         self.lock = threading.Lock()
 
     def get(self, table) -> Table:
@@ -136,6 +139,18 @@ class Registry:
                 self.tables[key] = Table(int(rows), int(dim), int(workers), spec)
                 logger.info("tfstrat server: table %d, %d x %d", key, int(rows), int(dim))
             return tf.constant(0, tf.int64)
+
+    def drop(self, table):
+        with self.lock:
+            self.tables.pop(int(table), None)
+        return tf.constant(0, tf.int64)
+
+    def put_meta(self, key, value):
+        self.meta[int(key)] = int(value)
+        return tf.constant(0, tf.int64)
+
+    def get_meta(self, key):
+        return tf.constant(self.meta.get(int(key), -1), tf.int64)
 
     def read(self, table, lo, hi):
         return tf.reshape(self.get(table).value[int(lo) : int(hi)], [-1])
@@ -180,5 +195,8 @@ def serve_tables(address: str):
     )
     method("read", registry.read, [spec([], i64), spec([], i64), spec([], i64)], f32)
     method("write", registry.write, [spec([], i64), spec([], i64), spec([None], f32)], i64)
+    method("drop", registry.drop, [spec([], i64)], i64)
+    method("put_meta", registry.put_meta, [spec([], i64), spec([], i64)], i64)
+    method("get_meta", registry.get_meta, [spec([], i64)], i64)
     server.start()
     return server, registry

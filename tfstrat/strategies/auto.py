@@ -18,7 +18,7 @@ def auto(
 ) -> tf.distribute.Strategy:
     """Picks a strategy for this process and logs what it chose and why.
 
-    TPU -> `tf.distribute.TPUStrategy`; TF_CONFIG with ps tasks -> `ParameterServer` (sync);
+    TPU -> `tf.distribute.TPUStrategy`; TF_CONFIG with ps tasks -> `Hybrid`;
     TF_CONFIG with several workers -> `CollectiveAllReduce`; two or more GPUs ->
     `MirroredNCCL`; else TensorFlow's default strategy. Call it first in the program: it may
     create a multi-worker strategy, which must exist before any TensorFlow op runs.
@@ -47,13 +47,14 @@ def auto(
         return tf.distribute.TPUStrategy(resolver)
     kwargs = {} if timeout is None else {"timeout": timeout}
     if tf_config is not None and tf_config.addresses("ps"):
-        from tfstrat.strategies.ps import ParameterServer
+        from tfstrat.strategies.hybrid import Hybrid
 
         logger.info(
-            "tfstrat.auto: ParameterServer (TF_CONFIG has %d ps task(s))",
+            "tfstrat.auto: Hybrid (TF_CONFIG has %d ps task(s): dense variables all-reduced, "
+            "tfstrat Embedding tables on the ps tasks)",
             len(tf_config.addresses("ps")),
         )
-        return ParameterServer(tf_config, **kwargs)
+        return Hybrid(tf_config, **kwargs)
     if tf_config is not None and tf_config.num_workers > 1:
         from tfstrat.strategies.collective import CollectiveAllReduce
 

@@ -35,7 +35,9 @@ class Hybrid(CollectiveAllReduce):
         sparse: which `tfstrat.keras.layers.Embedding` tables go to the ps tasks: "auto" (all
             of them), or a list of name patterns (fnmatch, matched against the layer's name
             and its table's path, e.g. ["*item*"]); [] keeps every table mirrored.
-        partitions: parts per table on the ps tasks: "auto" (one per ps task) or an integer.
+        partitions: parts per table on the ps tasks: "auto" (the chief times a few counts at
+            start-up and fits Parallax's step-time model, `tfstrat.ps.partitions`) or an
+            integer.
         sparse_as_dense: for mirrored tables, as in `CollectiveAllReduce`.
         timeout: seconds any collective or RPC may take before failing with an error.
         devices, communication: as in `CollectiveAllReduce`.
@@ -83,8 +85,10 @@ class Hybrid(CollectiveAllReduce):
         self._next_table = 0
         self._warned: set[str] = set()
         if ps:
+            from tfstrat.ps.connect import wait_for_ps
             from tfstrat.ps.remote import TableClients
 
+            wait_for_ps(tf_config, timeout, port_offset=1)
             self._clients = TableClients(ps, timeout, self.worker_index)
         logger.info(
             "tfstrat: Hybrid, %d ps task(s): %s",
@@ -106,15 +110,13 @@ class Hybrid(CollectiveAllReduce):
         """A table on the ps tasks for `layer` (a tfstrat Embedding), or None to mirror it."""
         if not self._wants_ps(layer):
             return None
-        from tfstrat.keras.layers import part_bounds
         from tfstrat.ps.remote import RemoteTable
 
-        num_ps = len(self.ps_addresses)
-        parts = num_ps if self.partitions == "auto" else int(self.partitions)
-        parts = max(1, min(parts, layer.input_dim))
-        layout = []
-        for k, (lo, hi) in enumerate(part_bounds(layer.input_dim, parts)):
-            layout.append(((self._next_table + k) % num_ps, self._next_table + k, lo, hi))
+        if self.partitions == "auto":
+            parts = self._choose_partitions(layer)
+        else:
+            parts = max(1, min(int(self.partitions), layer.input_dim))
+        layout = self._layout(layer.input_dim, parts, self._next_table)
         self._next_table += parts
         initializer = layer.embeddings_initializer
         import keras
@@ -144,6 +146,44 @@ class Hybrid(CollectiveAllReduce):
             parts,
         )
         return table
+
+    def _layout(self, rows: int, parts: int, first: int):
+        """(ps task, table number, first row, end row) of each part; parts go round-robin."""
+        from tfstrat.keras.layers import part_bounds
+
+        num_ps = len(self.ps_addresses)
+        bounds = part_bounds(rows, parts)
+        return [((first + k) % num_ps, first + k, lo, hi) for k, (lo, hi) in enumerate(bounds)]
+
+    def _choose_partitions(self, layer) -> int:
+        """Parallax's search (`tfstrat.ps.partitions`), run by the chief, read by the others."""
+        from tfstrat.ps import partitions
+        from tfstrat.ps.remote import RemoteTable
+
+        key = len(self.tables)  # tables are made in the same order on every worker
+        rows, dim = layer.input_dim, layer.output_dim
+        if self.worker_index != 0:
+            return self._clients.wait_meta(key, self.timeout, f"the partitions of {layer.name}")
+
+        def trial_table(parts, first):
+            layout = self._layout(rows, parts, first)
+            return RemoteTable(self._clients, "trial", rows, dim, layout, 1, {"zeros": True})
+
+        samples = partitions.measure(trial_table, rows, dim)
+        chosen = partitions.best(samples, max(samples))
+        b, a, c = partitions.fit(samples)
+        logger.info(
+            "tfstrat: table %s: %d part(s), from step times %s ms (fit t(P) = b/P + a(P-1) + c: "
+            "b %.2f ms, a %.2f ms, c %.2f ms)",
+            layer.name,
+            chosen,
+            {p: round(t * 1000, 2) for p, t in samples.items()},
+            b * 1000,
+            a * 1000,
+            c * 1000,
+        )
+        self._clients.put_meta(key, chosen)
+        return chosen
 
     def table_step(self):
         """The step number a table push carries: the optimizer's iteration counter."""
