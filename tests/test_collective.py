@@ -1,43 +1,23 @@
 """CollectiveAllReduce: real worker processes started by `tfstrat launch`, against one device."""
 
-import io
 import os
 import sys
 
 import numpy as np
 import pytest
 
-from tfstrat import LaunchConfig, launch
-
 pytestmark = pytest.mark.cluster
 SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
 sys.path.insert(0, SCRIPTS)
-from cluster import assert_chief_wrote_and_workers_restored  # noqa: E402
+from cluster import (  # noqa: E402
+    RUN_TIMEOUT,
+    assert_chief_wrote_and_workers_restored,
+    launch_script,
+    start_task,
+)
 from common import relative_errors  # noqa: E402
 
 TOLERANCE = 1e-5
-# Collective timeout in the worker scripts is 60 s; a run is a few tracing passes plus ~50 steps.
-RUN_TIMEOUT = 400
-
-
-def _launch(workers, *args, env=None):
-    out = io.StringIO()
-    cwd = os.getcwd()
-    os.chdir(SCRIPTS)
-    try:
-        code = launch(
-            LaunchConfig(
-                [sys.executable, *args],
-                workers=workers,
-                timeout=RUN_TIMEOUT,
-                threads_per_task=1,
-                env=env,
-            ),
-            out,
-        )
-    finally:
-        os.chdir(cwd)
-    return code, out.getvalue()
 
 
 def _reference(out_dir, *args, emulate=0):
@@ -69,7 +49,7 @@ def _weights(npz, name):
 
 
 def _check_against_reference(tmp_path, workers, *args, emulate=False):
-    code, out = _launch(workers, "collective_equiv.py", str(tmp_path), *args)
+    code, out = launch_script("collective_equiv.py", str(tmp_path), *args, workers=workers)
     assert code == 0, out[-6000:]
     ref = _reference(tmp_path, *args, emulate=workers if emulate else 0)
     results = [np.load(tmp_path / f"worker_{i}.npz") for i in range(workers)]
@@ -131,27 +111,13 @@ def test_clipping_applies_to_the_aggregated_gradient(tmp_path):
 
 
 def test_a_killed_peer_fails_the_others_within_the_timeout():
-    import subprocess
     import time
 
     from tfstrat import TFConfig
 
     timeout = 20
     config = TFConfig.local(workers=2)
-    procs = []
-    for i in range(2):
-        env = dict(os.environ, **config.for_task("worker", i).to_env(), TF_NUM_INTRAOP_THREADS="1")
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "peer_killed.py", str(timeout)],
-                env=env,
-                cwd=SCRIPTS,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,
-            )
-        )
+    procs = [start_task(config, "worker", i, "peer_killed.py", str(timeout)) for i in range(2)]
     try:
         start = time.monotonic()
         out, _ = procs[0].communicate(timeout=RUN_TIMEOUT)
@@ -171,6 +137,8 @@ def test_a_killed_peer_fails_the_others_within_the_timeout():
 def test_only_the_chief_writes_and_every_worker_restores(tmp_path):
     scratch = tmp_path / "scratch"
     scratch.mkdir()
-    code, out = _launch(2, "callbacks_run.py", str(tmp_path), env={"TMPDIR": str(scratch)})
+    code, out = launch_script(
+        "callbacks_run.py", str(tmp_path), workers=2, env={"TMPDIR": str(scratch)}
+    )
     assert code == 0, out[-6000:]
     assert_chief_wrote_and_workers_restored(tmp_path, scratch)

@@ -81,6 +81,7 @@ def test_bytes_per_step_scale_with_rows_touched_not_vocabulary(tmp_path):
         )
         assert code == 0, log[-6000:]
         sent[scale] = json.loads((out / "worker_0.json").read_text())["bytes_per_step"]
+        assert "users/embeddings is mirrored but its gradient is sparse" in log, log[-3000:]
     table_bytes = (1000 + 500) * 10 * 8 * 4
     assert 0 < sent[10] < 0.2 * table_bytes, sent
     assert abs(sent[10] - sent[1]) <= 0.2 * sent[1], sent

@@ -44,6 +44,10 @@ def start_server(tf_config: TFConfig, task: tuple[str, int] | None = None):
     if task_type == "ps":
         # A ps never needs to see the workers; without the filter it waits for all of them.
         config.device_filters.append(f"/job:ps/task:{index}")
+        # One thread handles the workers' requests, one after another: with several, the
+        # eager service crashed now and then (SIGSEGV in GetOrCreateKernelAndDevice while two
+        # workers' eager ops ran at once). Nothing a worker asks of a ps blocks.
+        config.inter_op_parallelism_threads = 1
     try:
         server = tf.distribute.Server(
             tf.train.ClusterSpec({k: list(v) for k, v in tf_config.cluster.items()}),

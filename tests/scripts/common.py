@@ -83,3 +83,12 @@ def relative_errors(weights, reference) -> list[float]:
         denom = np.linalg.norm(r)
         errs.append(float(np.linalg.norm(w - r) / denom) if denom else float(np.abs(w).max()))
     return errs
+
+
+def dump_loaded(build, paths) -> None:
+    """Loads each .weights.h5 into `build(stock=True)` (plain Keras) and writes its trainable
+    weights to <path>.npz: how the tests read a checkpoint a tfstrat cluster wrote."""
+    for path in paths:
+        model = build(stock=True)
+        model.load_weights(path)
+        np.savez(path + ".npz", *[w.numpy() for w in model.weights if w.trainable])

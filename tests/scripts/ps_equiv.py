@@ -42,7 +42,7 @@ if not args.reference:
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from common import CLASSES, SEQ, VOCAB, data, optimizer  # noqa: E402
+from common import CLASSES, SEQ, VOCAB, compile_model, data, dump_loaded, optimizer  # noqa: E402
 
 from tfstrat.keras.layers import Embedding  # noqa: E402
 from tfstrat.traffic import tcp_bytes  # noqa: E402
@@ -58,20 +58,8 @@ def build(stock: bool, vocab: int = VOCAB, dim: int = 8):
     return keras.Model(inputs, keras.layers.Dense(CLASSES)(x))
 
 
-def compiled(model, name, densify=False):
-    model.compile(
-        optimizer=optimizer(name, densify=densify),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
-    return model
-
-
 if args.reference and args.load:
-    for path in args.load:
-        model = build(stock=True)
-        model.load_weights(path)
-        np.savez(path + ".npz", *[w.numpy() for w in model.weights if w.trainable])
+    dump_loaded(build, args.load)
     raise SystemExit(0)
 
 x, y = data(args.examples)
@@ -80,7 +68,7 @@ task = os.environ.get("TFSTRAT_TASK", "reference").replace(":", "_")
 report, arrays = {}, {}
 for name in ("sgd", "adagrad"):
     with scope():
-        model = compiled(build(stock=args.reference), name, densify=args.reference)
+        model = compile_model(build(stock=args.reference), optimizer(name, densify=args.reference))
     history = model.fit(x, y, batch_size=args.global_batch, epochs=2, shuffle=False, verbose=0)
     report[name] = {
         "iterations": int(model.optimizer.iterations.numpy()),
@@ -109,7 +97,7 @@ else:
     big_x = np.random.default_rng(1).integers(0, 25_000, (24 * 5, SEQ)).astype("int32")
     for stock in (False, True):
         with scope():
-            model = compiled(build(stock, vocab=25_000, dim=16), "sgd")
+            model = compile_model(build(stock, vocab=25_000, dim=16), optimizer("sgd"))
         model.evaluate(big_x[:24], y[:24], batch_size=24, verbose=0)  # trace first
         before = tcp_bytes(ps_ports)[1]
         model.evaluate(big_x, y[: len(big_x)], batch_size=24, verbose=0)

@@ -173,7 +173,7 @@ def serve_tables(address: str):
         def call(*args):
             return tf.py_function(fn, list(args), out)
 
-        server.register(name, tf.function(call, input_signature=signature))
+        server.register(name, tf.function(call, input_signature=signature, autograph=False))
 
     method(
         "create",

@@ -84,6 +84,7 @@ class Hybrid(CollectiveAllReduce):
         self._optimizer = None
         self._next_table = 0
         self._warned: set[str] = set()
+        self._sparse_mirrored: set[str] = set()
         if ps:
             from tfstrat.ps.connect import wait_for_ps
             from tfstrat.ps.remote import TableClients
@@ -109,6 +110,8 @@ class Hybrid(CollectiveAllReduce):
     def remote_table(self, layer):
         """A table on the ps tasks for `layer` (a tfstrat Embedding), or None to mirror it."""
         if not self._wants_ps(layer):
+            if not self.ps_addresses:  # placed as sparse, mirrored: no warning for it
+                self._sparse_mirrored.add(f"{layer.name}/embeddings")
             return None
         from tfstrat.ps.remote import RemoteTable
 
@@ -221,7 +224,8 @@ class Hybrid(CollectiveAllReduce):
         def checked(grads, trainable_variables=None):
             variables = trainable_variables or optimizer._trainable_variables
             for g, v in zip(grads, variables):
-                if isinstance(g, tf.IndexedSlices) and v.path not in self._warned:
+                expected = v.path in self._sparse_mirrored
+                if isinstance(g, tf.IndexedSlices) and not expected and v.path not in self._warned:
                     self._warned.add(v.path)
                     logger.warning(
                         "tfstrat: %s is mirrored but its gradient is sparse: it is reduced "

@@ -64,15 +64,20 @@ class _Extended(one_device_strategy.OneDeviceExtended):
         )
         if initial_value is None:
             return var
-        initialises = self.is_chief if owner is None else owner == self.worker
-        if initialises:
-            if not psvars.is_initialized(var):  # a restarted chief keeps the ps's values
-                with tf.device(device):
-                    value = initial_value() if callable(initial_value) else initial_value
-                    var.assign(tf.convert_to_tensor(value, dtype), read_value=False)
-        else:
-            psvars.wait_initialized(var, self.timeout, "the chief")
+        self._initialise(
+            var, initial_value, self.is_chief if owner is None else owner == self.worker
+        )
         return var
+
+    def _initialise(self, var, initial_value, here: bool):
+        """Initialises `var` on its ps (here) or waits until the chief has."""
+        if not here:
+            return psvars.wait_initialized(var, self.timeout, "the chief")
+        if psvars.is_initialized(var):  # a restarted chief keeps the ps's values
+            return
+        with tf.device(var.device):
+            value = initial_value() if callable(initial_value) else initial_value
+            var.assign(tf.cast(value, var.dtype), read_value=False)
 
     def _create_variable(self, next_creator, **kwargs):
         colocate_with = kwargs.pop("colocate_with", None)
@@ -106,13 +111,7 @@ class _Extended(one_device_strategy.OneDeviceExtended):
             name=name,
             aggregation=kwargs.get("aggregation") or tf.VariableAggregation.NONE,
         )
-        if self.is_chief:
-            if not psvars.is_initialized(var):
-                with tf.device(device):
-                    value = initial_value() if callable(initial_value) else initial_value
-                    var.assign(tf.cast(value, dtype), read_value=False)
-        else:
-            psvars.wait_initialized(var, self.timeout, "the chief")
+        self._initialise(var, initial_value, self.is_chief)
         return var
 
     def _validate_colocate_with_variable(self, colocate_with_variable):
@@ -283,6 +282,10 @@ class ParameterServer(distribute_lib.Strategy):
         self._adopted.add(id(optimizer))
         self._warn_stock_embeddings(model)
         logger.info("tfstrat: %s", self.placement_summary())
+        where = [f"{w.path} ps:{psvars.ps_index_of(w.value)}" for w in model.weights]
+        logger.info(
+            "tfstrat: placement: %s%s", ", ".join(where[:40]), " ..." if len(where) > 40 else ""
+        )
         original = optimizer.apply
         sync, is_chief = self.sync, self.extended.is_chief
 
