@@ -63,11 +63,6 @@ def test_two_workers_one_ps_equal_single_device(one_ps, reference):
             devices = report[name]["devices"]
             assert all(d == "/job:ps/replica:0/task:0/device:CPU:0" for d in devices.values())
         assert report["dropped"] == 0
-        # Evaluating a 1.6 MB table: tfstrat's Embedding fetches rows (5 x 24 x 8 ids of 64
-        # bytes per step, plus the dense layers), Keras's the whole table every step.
-        table = report["table_bytes"]
-        assert report["tfstrat"]["bytes_per_step"] < 0.05 * table, report
-        assert report["stock"]["bytes_per_step"] > 0.9 * table, report
 
 
 @pytest.mark.cluster
@@ -79,6 +74,7 @@ def test_two_ps_partitioned_equal_single_device_and_load_a_one_ps_checkpoint(
         str(tmp_path),
         "--partitions=2",
         f"--reload={one_ps / 'sgd.weights.h5'}",
+        "--traffic",
         workers=2,
         ps=2,
     )
@@ -89,7 +85,11 @@ def test_two_ps_partitioned_equal_single_device_and_load_a_one_ps_checkpoint(
     assert devices["embedding/embeddings_part_0"] == "/job:ps/replica:0/task:0/device:CPU:0"
     assert devices["embedding/embeddings_part_1"] == "/job:ps/replica:0/task:1/device:CPU:0"
     assert {d.split("/task:")[1][0] for d in devices.values()} == {"0", "1"}
-    assert report["tfstrat"]["bytes_per_step"] < 0.05 * report["table_bytes"], report
+    # Evaluating a 1.6 MB table in 2 parts: tfstrat's Embedding fetches rows (24 x 8 ids of 64
+    # bytes per step, plus the dense layers), Keras's the whole table every step.
+    table = report["table_bytes"]
+    assert report["tfstrat"]["bytes_per_step"] < 0.05 * table, report
+    assert report["stock"]["bytes_per_step"] > 0.9 * table, report
     # A checkpoint of the 1-ps run (one table) loads into the 2-part table of this run.
     original, reloaded = _loaded(one_ps / "sgd.weights.h5", tmp_path / "sgd.reloaded.weights.h5")
     for a, b in zip(original, reloaded, strict=True):

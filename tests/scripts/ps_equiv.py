@@ -1,12 +1,12 @@
 """One task of a ParameterServer cluster test (run by `tfstrat launch`), or the reference.
 
 Usage:
-    python ps_equiv.py OUT [--partitions K] [--aggregate M] [--reload FILE]
+    python ps_equiv.py OUT [--partitions K] [--aggregate M] [--reload FILE] [--traffic]
     python ps_equiv.py OUT --reference [--load FILE ...]
 
 A worker trains an Embedding + Dense model with SGD and with Adagrad (sync mode) on the same
-global batches as the reference, then measures the bytes that evaluating moves from the ps for
-a large table, with tfstrat's Embedding and with Keras's. The chief saves each model's weights
+global batches as the reference; with --traffic it then measures the bytes that evaluating
+moves from the ps for a large table, with tfstrat's Embedding and with Keras's. The chief saves each model's weights
 (OUT/<optimizer>.weights.h5). Each worker writes OUT/<task>.json.
 
 --reference trains the same models on one device, without tfstrat, sparse gradients densified,
@@ -27,6 +27,7 @@ parser.add_argument("--load", nargs="*", default=[])
 parser.add_argument("--partitions", default="auto")
 parser.add_argument("--aggregate", type=int, default=None)
 parser.add_argument("--reload", default=None, help="chief: load this file after training")
+parser.add_argument("--traffic", action="store_true", help="measure bytes moved by lookups")
 parser.add_argument("--global-batch", type=int, default=24)
 parser.add_argument("--examples", type=int, default=24 * 20)
 args = parser.parse_args()
@@ -89,10 +90,11 @@ for name in ("sgd", "adagrad"):
 if args.reference:
     np.savez(os.path.join(args.out, "reference.npz"), **arrays)
 else:
-    # Bytes moved from the ps by evaluating a model with a 1.6 MB table: tfstrat's Embedding
-    # fetches the looked-up rows, Keras's reads the whole table every step.
     report["dropped"] = strategy.dropped
     report["placement"] = strategy.placement_summary()
+if args.traffic:
+    # Bytes moved from the ps by evaluating a model with a 1.6 MB table: tfstrat's Embedding
+    # fetches the looked-up rows, Keras's reads the whole table every step.
     ps_ports = {int(a.rsplit(":", 1)[1]) for a in strategy.extended.tf_config.addresses("ps")}
     big_x = np.random.default_rng(1).integers(0, 25_000, (24 * 5, SEQ)).astype("int32")
     for stock in (False, True):
@@ -104,5 +106,6 @@ else:
         per_step = (tcp_bytes(ps_ports)[1] - before) / 5
         report["stock" if stock else "tfstrat"] = {"bytes_per_step": per_step}
     report["table_bytes"] = 25_000 * 16 * 4
+if not args.reference:
     with open(os.path.join(args.out, f"{task}.json"), "w") as f:
         json.dump(report, f, indent=1)
