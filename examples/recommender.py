@@ -1,4 +1,4 @@
-"""Trains a two-table recommender (users x items -> clicked?) on generated data.
+"""Trains a two-table click model (user, item -> clicked?) on generated data.
 
 With ps tasks, `tfstrat.auto()` is Hybrid: the dense layers are all-reduced among the workers
 and both embedding tables live on the ps tasks, so a step moves only the rows it looks up:
@@ -18,20 +18,21 @@ import numpy as np
 
 
 def clicks(n: int, users: int, items: int, seed: int = 0):
-    """(user, item) pairs with a hidden taste per user and a genre per item: clicked if they match."""
+    """(user, item) pairs and whether the user clicked: each user and item has a hidden appeal,
+    and a click is likelier the more the two add up to."""
     rng = np.random.default_rng(seed)
-    taste = rng.integers(0, 8, users)
-    genre = rng.integers(0, 8, items)
+    user_appeal, item_appeal = rng.normal(size=users), rng.normal(size=items)
     u = (rng.zipf(1.3, n) - 1) % users  # a few heavy users, a long tail
     i = rng.integers(0, items, n)
-    y = (taste[u] == genre[i]) | (rng.random(n) < 0.05)
+    p = 1 / (1 + np.exp(-3 * (user_appeal[u] + item_appeal[i])))
+    y = rng.random(n) < p
     return u.astype("int32"), i.astype("int32"), y.astype("float32")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--users", type=int, default=100_000)
-    parser.add_argument("--items", type=int, default=20_000)
+    parser.add_argument("--items", type=int, default=5_000)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=256, help="global batch")
     args = parser.parse_args()
