@@ -55,7 +55,3 @@ def connect(tf_config: TFConfig, timeout: float) -> str:
         resolver, job_name=task_type, task_index=index, make_master_device_default=False
     )
     return f"/job:{task_type}/replica:0/task:{index}/device:CPU:0"
-
-
-def ps_device(index: int) -> str:
-    return f"/job:ps/replica:0/task:{index}/device:CPU:0"
