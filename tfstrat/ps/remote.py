@@ -19,6 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfstrat.ps.tables import OPTIMIZERS, rpc_address
+from tfstrat.ps.variables import ps_device
 
 
 class TableClients:
@@ -87,7 +88,7 @@ class RemoteTable:
 
     @property
     def devices(self) -> list[str]:
-        return [f"/job:ps/replica:0/task:{ps}/device:CPU:0" for ps, *_ in self.parts]
+        return [ps_device(ps) for ps, *_ in self.parts]
 
     # -- reading and writing whole tables (checkpoints) ------------------------------------
 
