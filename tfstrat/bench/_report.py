@@ -26,6 +26,14 @@ def machine() -> dict:
     }
 
 
+PS_STRATEGIES = ("tfkeras-ps", "ps-sync", "ps-async", "hybrid")
+
+
+def ps_tasks(strategy: str) -> int:
+    """ps tasks a benchmark row's cluster needs: one for the parameter-server strategies."""
+    return 1 if strategy in PS_STRATEGIES else 0
+
+
 def run_row(
     module: str,
     config: dict,

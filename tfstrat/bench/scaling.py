@@ -119,7 +119,7 @@ def run(config: ScalingConfig) -> list[dict]:
             workers=row["workers"],
             threads=row["threads"],
             env=row["env"],
-            ps=1 if ps_mode or row["strategy"].startswith("ps-") else 0,
+            ps=_report.ps_tasks(row["strategy"]),
             chief=ps_mode,
         )
         row.update(result, model=c.model, image=c.image, machine=machine)

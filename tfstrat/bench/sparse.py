@@ -92,7 +92,7 @@ def run(config: SparseConfig) -> list[dict]:
             workers=row["workers"],
             threads=row["threads"],
             env=row.pop("env"),
-            ps=1 if row["strategy"] in ("tfkeras-ps", "ps-sync", "ps-async", "hybrid") else 0,
+            ps=_report.ps_tasks(row["strategy"]),
             chief=row["strategy"] == "tfkeras-ps",
         )
         row.update(result, machine=machine, table_bytes=table_bytes)
