@@ -80,6 +80,13 @@ def _check_against_reference(tmp_path, workers, *args, emulate=False):
 def test_two_workers_equal_single_device(tmp_path):
     out = _check_against_reference(tmp_path, 2)
     assert "input sharded by data" in out
+    assert "tcp ring (dense)" in out  # the default on CPU workers with one device each
+    for i in range(2):
+        r = np.load(tmp_path / f"worker_{i}.npz")
+        steps = sum(int(r[f"{name}/iterations"]) for name in ("sgdm", "adam", "dataset"))
+        # One TCP ring call per training step carries every dense gradient (packed); the
+        # other calls are metric reductions outside the steps (end of epoch, evaluate).
+        assert (r["ring/sizes"] == int(r["dense_params"])).sum() == steps, r["ring/sizes"]
 
 
 def test_three_workers_equal_single_device(tmp_path):
@@ -87,8 +94,14 @@ def test_three_workers_equal_single_device(tmp_path):
 
 
 def test_last_partial_batch_equals_single_device(tmp_path):
-    """510 examples at global batch 24: 21 full batches, then one of 6 (3 per worker)."""
-    _check_against_reference(tmp_path, 2, "--global-batch", "24", "--examples", "510")
+    """510 examples at global batch 24: 21 full batches, then one of 6 (3 per worker).
+
+    Over TensorFlow's collectives (communication="ring"), the path multi-device and GPU
+    workers take; the other tests use the default TCP ring."""
+    out = _check_against_reference(
+        tmp_path, 2, "--global-batch", "24", "--examples", "510", "--communication", "ring"
+    )
+    assert "tcp ring" not in out
 
 
 def test_batches_the_workers_cannot_split_evenly(tmp_path):

@@ -24,12 +24,28 @@ parser.add_argument(
     default=0,
     help="reference only: weigh examples as W workers' local means do (uneven splits)",
 )
+parser.add_argument("--communication", default="auto", help="CollectiveAllReduce's")
 args = parser.parse_args()
 
 import tfstrat  # noqa: E402
 
 # Created before any other TensorFlow op: collectives are configured at program start.
-strategy = None if args.reference else tfstrat.CollectiveAllReduce(timeout=60)
+strategy = (
+    None
+    if args.reference
+    else tfstrat.CollectiveAllReduce(timeout=60, communication=args.communication)
+)
+# Every call of the TCP ring, by size (wrapped before any step is traced, which captures it).
+ring_sizes = []
+ring = strategy.extended._cross_device_ops.ring if strategy else None
+if ring is not None:
+    ring_all_reduce = ring.all_reduce
+
+    def counted(x):
+        ring_sizes.append(x.size)
+        return ring_all_reduce(x)
+
+    ring.all_reduce = counted
 
 import tensorflow as tf  # noqa: E402
 from common import build_model, compile_model, data, optimizer  # noqa: E402
@@ -101,6 +117,10 @@ with scope():
 probe.fit(ids[:, None], np.zeros(240, "float32"), batch_size=24, epochs=1, shuffle=True, verbose=0)
 results["shuffle/times_seen"] = -probe.layers[0].embeddings.numpy()[:, 0] * 24  # up to a constant
 
+results["ring/sizes"] = np.array(ring_sizes, np.int64)
+results["dense_params"] = np.array(
+    sum(w.numpy().size for w in build_model().weights if "embedding" not in w.path)
+)
 task = os.environ.get("TFSTRAT_TASK", "reference").replace(":", "_")
 task += f"_emulating_{args.emulate_workers}" if args.emulate_workers else ""
 np.savez(os.path.join(args.out, f"{task}.npz"), **results)

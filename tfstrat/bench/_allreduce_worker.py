@@ -2,8 +2,10 @@
 
     python -m tfstrat.bench._allreduce_worker '{"impl": "tfstrat", "sizes": [4, 1024], "iters": 10}'
 
-`impl`: "tfstrat" (CollectiveAllReduce's replica-context all-reduce, the path gradients take)
-or "stock" (tf.distribute.MultiWorkerMirroredStrategy). Prints `RESULT {json}`.
+`impl`: "tfstrat" (CollectiveAllReduce's replica-context all-reduce, the path gradients take:
+its TCP ring on CPU workers), "tfstrat-grpc" (the same over TensorFlow's collectives,
+`communication="ring"`) or "stock" (tf.distribute.MultiWorkerMirroredStrategy). One thread in
+each TensorFlow pool, as in the training benchmarks. Prints `RESULT {json}`.
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ def main(config: dict) -> dict:
     import tensorflow as tf
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
-    if config["impl"] == "tfstrat":
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    if config["impl"].startswith("tfstrat"):
         import tfstrat
 
-        strategy = tfstrat.CollectiveAllReduce(timeout=120)
+        communication = "ring" if config["impl"] == "tfstrat-grpc" else "auto"
+        strategy = tfstrat.CollectiveAllReduce(timeout=120, communication=communication)
     else:
         options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=120)
         strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)

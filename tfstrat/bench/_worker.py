@@ -148,8 +148,10 @@ def main(config: dict) -> dict:
     import tensorflow as tf
 
     if threads:  # thread pools are configuration: set before the runtime starts
+        # Both pools: with 2 inter-op threads, one "single-threaded" process keeps 1.3-1.4
+        # cores busy (independent ops run side by side), so 2 workers on 2 cores would fight.
         tf.config.threading.set_intra_op_parallelism_threads(threads)
-        tf.config.threading.set_inter_op_parallelism_threads(2)
+        tf.config.threading.set_inter_op_parallelism_threads(int(config.get("inter_op", threads)))
     devices = int(config.get("devices", 1))
     strategy = _strategy(tf, config["strategy"], devices)
     if config["strategy"].startswith("tfkeras"):

@@ -138,6 +138,7 @@ def _derive(rows: list[dict]):
     one_worker = rate.get("B-1") or rate.get("A-2")
     for r in rows:
         x = r.get("examples_per_s")
+        r["vs_P1"] = x / rate["P-1"] if x and rate.get("P-1") else None
         r["vs_A1"] = x / rate["A-1"] if x and rate.get("A-1") else None
         r["vs_A2"] = x / rate["A-2"] if x and rate.get("A-2") else None
         if x and one_worker and r["row"].startswith("B-"):
@@ -157,6 +158,7 @@ def table(rows: Sequence[dict], c: ScalingConfig) -> str:
         "total devices",
         "global steps/s",
         "examples/s (min-max)",
+        "vs P-1",
         "vs A-1",
         "vs A-2",
         "efficiency",
@@ -165,13 +167,14 @@ def table(rows: Sequence[dict], c: ScalingConfig) -> str:
     for r in rows:
         lead = [r["row"], r["label"], r["workers"], r["devices_per_worker"], r["total_devices"]]
         if "error" in r:
-            body.append([*lead, "-", f"failed: {r['error'][:120]}", "-", "-", "-"])
+            body.append([*lead, "-", f"failed: {r['error'][:120]}", "-", "-", "-", "-"])
             continue
         body.append(
             [
                 *lead,
                 f"{r['steps_per_s']:.2f}",
                 f"{r['examples_per_s']:,.0f} ({r['examples_per_s_min']:,.0f}-{r['examples_per_s_max']:,.0f})",
+                _fmt(r["vs_P1"], ".2f"),
                 _fmt(r["vs_A1"], ".2f"),
                 _fmt(r["vs_A2"], ".2f"),
                 _fmt(r.get("efficiency"), ".0%"),
@@ -181,8 +184,9 @@ def table(rows: Sequence[dict], c: ScalingConfig) -> str:
     notes = (
         f"\nModel `{c.model}` ({c.image}x{c.image}x3 synthetic images), {c.batch_per_device} "
         f"examples per device per step, SGD with momentum; median of {c.repeats} timed epochs "
-        f"of {c.steps} steps after one warm-up epoch. Threads: {c.threads} intra-op thread(s) "
-        f"per process (row P-all: {m.get('cpus')}). Machine: {m.get('cpus')} CPUs, "
+        f"of {c.steps} steps after one warm-up epoch. Threads: {c.threads} in each of TensorFlow's "
+        f"pools (intra-op and inter-op) per process, so each process keeps at most {c.threads} "
+        f"core(s) busy (row P-all: {m.get('cpus')}). Machine: {m.get('cpus')} CPUs, "
         f"{m.get('gpus')} GPUs, TensorFlow {m.get('tensorflow')}, Keras {m.get('keras')}. "
         "Speed-ups and efficiency use examples/s; efficiency(W) = ex/s(W) / (W x ex/s(B-1))."
     )

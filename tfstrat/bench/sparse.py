@@ -148,7 +148,8 @@ def table(rows, c: SparseConfig) -> str:
         "(n-1) x S for an all-gather); for ParameterServer and Hybrid rows, plus the bytes worker "
         "0's sockets to the ps carried per step, both directions (for ParameterServer, the dense "
         "head's weights and gradients too). Keras 3 rows use tfstrat.keras.layers.Embedding. "
-        f"Machine: {m.get('cpus')} CPUs, TensorFlow "
+        f"Threads: {rows[0]['threads'] if rows else '?'} in each of TensorFlow's pools per process (row P-all: "
+        f"{m.get('cpus')}). Machine: {m.get('cpus')} CPUs, TensorFlow "
         f"{m.get('tensorflow')}, Keras {m.get('keras')}."
     )
 

@@ -1,11 +1,16 @@
 """The cross-device all-reduce every tfstrat all-reduce strategy uses.
 
-A subclass of TensorFlow's collective all-reduce (ring on CPUs, NCCL on GPUs) that changes one
-thing: how `IndexedSlices` are reduced. Dense tensors keep TensorFlow's packing (one collective
-per pack of `bytes_per_pack`, or one for everything by default).
+A subclass of TensorFlow's collective all-reduce (ring on CPUs, NCCL on GPUs) that changes two
+things: how `IndexedSlices` are reduced (dedup, then one all-gather), and, with a `ring`
+(`communication="tcp"`, one device per worker), dense floating-point tensors go out packed in
+one call of tfstrat's TCP ring (`tfstrat.reduce.ring`) instead of TensorFlow's gRPC
+collectives. Otherwise dense tensors keep TensorFlow's packing (one collective per pack of
+`bytes_per_pack`, or one for everything by default).
 """
 
 from __future__ import annotations
+
+import weakref
 
 import tensorflow as tf
 from tensorflow.python.distribute import cross_device_ops
@@ -28,6 +33,10 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
     def __init__(self, devices, group_size, options, density, collective_keys=None):
         super().__init__(devices, group_size, options, collective_keys)
         self.density = density
+        #: A `tfstrat.reduce.ring.Ring` when dense all-reduces go over tfstrat's TCP ring
+        #: (one device per worker); None: TensorFlow's collectives.
+        self.ring = None
+        self._last_ring_op = weakref.WeakKeyDictionary()  # graph -> its last ring op
         #: What replica 0 sent, recorded at trace time: `("all_reduce", [shapes])` for a dense
         #: pack, `("all_gather", shape)` for a packed sparse gradient. For tests and debugging.
         self.traced: list[tuple] = []
@@ -69,14 +78,42 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
         if dense_at:
             dense = [flat[i] for i in dense_at]
             self._record(replica_id, "all_reduce", [tuple(t.shape) for t in dense], dense)
-            reduced = super()._all_reduce(
-                reduce_op, [flat[i] for i in dense_at], replica_id, options
-            )
+            if self._ring_carries(dense):
+                reduced = self._ring_all_reduce(reduce_op, dense)
+            else:
+                reduced = super()._all_reduce(reduce_op, dense, replica_id, options)
             for i, r in zip(dense_at, reduced):
                 flat[i] = r
         for i, n in rows.items():
             flat[i] = self._gather_slices(reduce_op, flat[i], n, replica_id, options)
         return nest.pack_sequence_as(value, flat)
+
+    def _ring_carries(self, dense) -> bool:
+        dtypes = {t.dtype for t in dense}
+        static = all(t.shape.is_fully_defined() for t in dense)
+        return self.ring is not None and static and len(dtypes) == 1 and dtypes.pop().is_floating
+
+    def _ring_all_reduce(self, reduce_op, dense):
+        """One TCP ring all-reduce for every dense tensor: packed into one flat vector.
+
+        Ring calls must run in the same order on every worker: within a graph each one waits
+        for the previous (control dependency); graphs and eager calls run one at a time.
+        """
+        with tf.device(self._devices[0]):
+            flat = tf.concat([tf.reshape(t, [-1]) for t in dense], 0)
+            graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+            last = self._last_ring_op.get(graph) if graph is not None else None
+            with tf.control_dependencies([last] if last is not None else []):
+                summed = tf.numpy_function(
+                    self.ring.all_reduce, [flat], flat.dtype, stateful=True, name="tcp_all_reduce"
+                )
+            if graph is not None:
+                self._last_ring_op[graph] = summed.op
+            summed.set_shape(flat.shape)
+            if reduce_op == tf.distribute.ReduceOp.MEAN:
+                summed = summed / self._group_size
+            parts = tf.split(summed, [t.shape.num_elements() for t in dense])
+            return [tf.reshape(p, t.shape) for p, t in zip(parts, dense)]
 
     def _gather_slices(self, reduce_op, slices, rows, replica_id, options):
         launcher = self._launchers[replica_id]

@@ -20,6 +20,7 @@ from tensorflow.python.distribute import values as _values
 from tensorflow.python.util import nest
 
 from tfstrat.cluster import TFConfig
+from tfstrat.reduce import ring
 from tfstrat.reduce.collective import SparseAwareAllReduce
 from tfstrat.reduce.sparse import DensityPolicy
 from tfstrat.strategies import _common
@@ -169,7 +170,10 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
         tf_config: the cluster; None reads the `TF_CONFIG` environment variable.
         devices: logical CPU devices per worker (split with `tfstrat.split_cpu(n)` first), or
             None for every GPU, else one CPU.
-        communication: "auto", "nccl" or "ring".
+        communication: "auto", "tcp", "ring" or "nccl". "tcp": dense gradients go over
+            tfstrat's ring of TCP connections between the workers (one device per worker);
+            "ring"/"nccl": TensorFlow's collectives. "auto": tcp on CPU-only workers with one
+            device each, NCCL on 2+ GPUs, else TensorFlow's ring.
         pack_bytes: split dense gradients into packs of about this many bytes (overlaps
             communication with the backward pass); None sends them in one pack.
         sparse_as_dense: "auto", a fraction in (0, 1], True or False (`DensityPolicy`).
@@ -208,8 +212,10 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
         if count and count > 1:
             _check_cpu_split(count)
         names = [f"/device:CPU:{i}" for i in range(count)] if count else []
+        tcp = _use_tcp(communication, count, tf_config)
         implementation = _common.communication_implementation(
-            communication, names or [f"/device:GPU:{i}" for i in range(_num_gpus())]
+            "ring" if communication == "tcp" else communication,
+            names or [f"/device:GPU:{i}" for i in range(_num_gpus())],
         )
         options = tf.distribute.experimental.CommunicationOptions(
             bytes_per_pack=pack_bytes or 0,
@@ -223,15 +229,36 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
         distribute_lib.Strategy.__init__(
             self, _Extended(self, resolver, options, count, self.density)
         )
+        if tcp:
+            self.extended._cross_device_ops.ring = self._connect_ring(timeout or DEFAULT_TIMEOUT)
         logger.info(
             "tfstrat: CollectiveAllReduce, worker %d of %d, %d replica(s) in sync, %s, "
             "timeout %s s",
             self.extended._id_in_cluster,
             self.extended._num_workers,
             self.num_replicas_in_sync,
-            implementation.name.lower(),
+            "tcp ring (dense), TensorFlow ring (the rest)" if tcp else implementation.name.lower(),
             timeout,
         )
+
+    def _connect_ring(self, timeout: float) -> ring.Ring:
+        """Every worker listens on a port the OS picks; one all-gather tells the others."""
+        tasks = [("chief", a) for a in self.tf_config.addresses("chief")]
+        tasks += [("worker", a) for a in self.tf_config.addresses("worker")]
+        rank = self.extended._id_in_cluster
+        host = tasks[rank][1].rsplit(":", 1)[0]
+        listener = ring.listen(host)
+        mine = tf.constant([[rank, listener.getsockname()[1]]], tf.int32)
+        gather = lambda: tf.distribute.get_replica_context().all_gather(mine, 0)  # noqa: E731
+        gathered = tf.function(lambda: self.run(gather))()
+        ports = dict(self.experimental_local_results(gathered)[0].numpy().tolist())
+        job_index = {}
+        names = []
+        for job, _ in tasks:
+            names.append(f"/job:{job}/replica:0/task:{job_index.setdefault(job, 0)}")
+            job_index[job] += 1
+        addresses = [f"{a.rsplit(':', 1)[0]}:{ports[i]}" for i, (_, a) in enumerate(tasks)]
+        return ring.Ring(rank, addresses, listener, timeout, names)
 
     @property
     def num_workers(self) -> int:
@@ -262,6 +289,26 @@ def _env_config() -> TFConfig | None:
     import os
 
     return TFConfig.from_env() if os.environ.get("TF_CONFIG") else None
+
+
+def _use_tcp(communication: str, count: int | None, tf_config: TFConfig | None) -> bool:
+    """tfstrat's TCP ring for dense all-reduces: asked for, or "auto" on CPU-only workers with
+    one device each (TensorFlow's gRPC collectives cost 2-3 ms a call and ~0.2 GB/s here)."""
+    workers = (
+        len(tf_config.addresses("chief")) + len(tf_config.addresses("worker")) if tf_config else 1
+    )
+    if communication == "tcp":
+        if count and count > 1:
+            raise ValueError(
+                f"Received: communication='tcp' with devices={count}. The TCP ring carries one "
+                "device per worker; use communication='ring' (or 'auto') for several."
+            )
+        return workers > 1
+    if communication not in ("auto", "ring", "nccl"):
+        raise ValueError(
+            f"Received: communication={communication!r}. Use 'auto', 'tcp', 'ring' or 'nccl'."
+        )
+    return communication == "auto" and workers > 1 and not (count and count > 1) and not _num_gpus()
 
 
 def _check_cpu_split(count: int):

@@ -1,0 +1,87 @@
+"""tfstrat's TCP ring all-reduce (tfstrat/reduce/ring.py): real sockets on 127.0.0.1.
+
+The ring's peers are threads here; tests/test_collective.py runs it between worker processes
+inside Keras training (CollectiveAllReduce uses it by default on CPU-only workers).
+"""
+
+import threading
+
+import numpy as np
+import pytest
+
+from tfstrat.reduce import ring
+
+
+def _rings(n, timeout=10.0):
+    listeners = [ring.listen("127.0.0.1") for _ in range(n)]
+    addresses = [f"127.0.0.1:{s.getsockname()[1]}" for s in listeners]
+    return _on_threads(lambda i: ring.Ring(i, addresses, listeners[i], timeout), n)
+
+
+def _on_threads(fn, n):
+    results, errors = [None] * n, [None] * n
+
+    def run(i):
+        try:
+            results[i] = fn(i)
+        except Exception as e:  # noqa: BLE001 (handed to the test)
+            errors[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results, errors
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_sums_every_size_and_shape(n):
+    rings, errors = _rings(n)
+    assert not any(errors), errors
+    rng = np.random.default_rng(n)
+    for shape in [(), (0,), (1,), (5,), (3, 7), (1 << 18,)]:
+        xs = [rng.standard_normal(shape).astype(np.float32) for _ in range(n)]
+        outs, errors = _on_threads(lambda i, xs=xs: rings[i].all_reduce(xs[i]), n)
+        assert not any(errors), errors
+        for out in outs:
+            assert out.shape == shape and out.dtype == np.float32
+            np.testing.assert_allclose(out, np.sum(xs, axis=0), rtol=1e-5, atol=1e-5)
+        for x, original in zip(xs, [x.copy() for x in xs]):
+            np.testing.assert_array_equal(x, original)  # inputs untouched
+    for r in rings:
+        r.close()
+
+
+def test_workers_reducing_different_tensors_fail_with_both_sizes():
+    rings, _ = _rings(2)
+    sizes = [8, 10]
+    _, errors = _on_threads(lambda i: rings[i].all_reduce(np.ones(sizes[i], np.float32)), 2)
+    messages = [str(e) for e in errors if e is not None]
+    assert any("run the same program on every worker" in m for m in messages), messages
+    assert any("16 bytes" in m or "20 bytes" in m for m in messages), messages
+
+
+def test_a_peer_that_closes_fails_the_other_naming_it():
+    listeners = [ring.listen("127.0.0.1") for _ in range(2)]
+    addresses = [f"127.0.0.1:{s.getsockname()[1]}" for s in listeners]
+    names = ["/job:worker/replica:0/task:0", "/job:worker/replica:0/task:1"]
+    rings, _ = _on_threads(lambda i: ring.Ring(i, addresses, listeners[i], 10, names), 2)
+    rings[1].close()
+    with pytest.raises(ring.RingError, match="task:1"):
+        rings[0].all_reduce(np.ones(1 << 16, np.float32))
+
+
+def test_a_silent_peer_times_out_naming_it():
+    rings, _ = _rings(2, timeout=1.0)
+    with pytest.raises(ring.RingError, match="worker 1 .*sent nothing for 1.0 s"):
+        rings[0].all_reduce(np.ones(4, np.float32))  # worker 1 never calls
+
+
+def test_a_missing_peer_fails_the_connect_within_the_timeout():
+    listener = ring.listen("127.0.0.1")
+    dead = ring.listen("127.0.0.1")
+    address = f"127.0.0.1:{dead.getsockname()[1]}"
+    dead.close()  # nobody listens there
+    with pytest.raises(ring.RingError, match="Could not connect to worker 1"):
+        ring.Ring(0, [f"127.0.0.1:{listener.getsockname()[1]}", address], listener, 0.5)
