@@ -40,6 +40,34 @@ def test_workers_get_distinct_tasks():
     assert len(configs["[worker:0]"]["cluster"]["worker"]) == 2
 
 
+@pytest.mark.parametrize(
+    "threads, chief, expected",
+    [
+        (None, False, max(1, (os.cpu_count() or 1) // 2)),
+        (None, True, max(1, (os.cpu_count() or 1) // 3)),
+        (3, False, 3),
+        (0, False, None),
+    ],
+)
+def test_threads_per_task_sizes_both_tensorflow_pools(threads, chief, expected, monkeypatch):
+    for name in ("TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    script = (
+        "import os; print('THREADS', os.environ.get('TF_NUM_INTRAOP_THREADS'), "
+        "os.environ.get('TF_NUM_INTEROP_THREADS'))"
+    )
+    config = LaunchConfig([PY, "-c", script], workers=2, chief=chief, threads_per_task=threads)
+    code, out, _ = _run(config)
+    assert code == 0, out
+    lines = [line.split(" ", 1)[1] for line in out.splitlines() if " THREADS " in line]
+    assert lines == [f"THREADS {expected} {expected}"] * (3 if chief else 2), out
+
+
+def test_negative_threads_per_task_is_a_clear_error():
+    with pytest.raises(ValueError, match="threads_per_task=-1"):
+        LaunchConfig([PY, "-c", "pass"], threads_per_task=-1)
+
+
 def test_first_failure_stops_everyone_promptly():
     script = (
         "import os, sys, time\n"

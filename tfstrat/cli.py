@@ -113,7 +113,7 @@ def _cmd_bench(args) -> int:
         config = AllReduceConfig(
             workers=max(workers),
             sizes=sizes,
-            iters=3 if args.quick else 10,
+            iters=3 if args.quick else 30,
             peer=args.peer,
             out=args.out,
         )
@@ -191,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--threads-per-task",
         type=int,
         default=_env("threads-per-task", None, int),
-        help="intra-op threads per task (sets TF_NUM_INTRAOP_THREADS)",
+        help="threads in each TensorFlow pool per task (TF_NUM_INTRAOP_THREADS and "
+        "TF_NUM_INTEROP_THREADS); default: cores / (workers + chief); 0: TensorFlow's defaults",
     )
     g = p.add_argument_group("Run")
     g.add_argument(

@@ -39,7 +39,10 @@ class LaunchConfig:
         chief: whether to add a chief task that runs `command` too.
         timeout: seconds after which every task is stopped and launch returns 124; None waits.
         port_retries: how many times to restart with fresh ports when a port was taken.
-        threads_per_task: intra-op threads for each task (`TF_NUM_INTRAOP_THREADS`), or None.
+        threads_per_task: threads in each of TensorFlow's pools for every task
+            (`TF_NUM_INTRAOP_THREADS` and `TF_NUM_INTEROP_THREADS`). None: this host's cores
+            divided among the chief and workers (at least 1), so local tasks do not fight
+            over cores; 0: TensorFlow's defaults (every task sizes its pools to all cores).
         env: extra environment variables for every task.
         grace: seconds between SIGTERM and SIGKILL when stopping tasks.
     """
@@ -61,6 +64,11 @@ class LaunchConfig:
             raise ValueError(f"Received: workers={self.workers}. A cluster needs >= 1 worker.")
         if self.ps < 0:
             raise ValueError(f"Received: ps={self.ps}. Use 0 or more ps tasks.")
+        if self.threads_per_task is not None and self.threads_per_task < 0:
+            raise ValueError(
+                f"Received: threads_per_task={self.threads_per_task}. Use >= 1, 0 for "
+                "TensorFlow's defaults, or None for cores / (workers + chief)."
+            )
         if self.timeout is not None and self.timeout <= 0:
             raise ValueError(f"Received: timeout={self.timeout}. Use seconds > 0, or None.")
 
@@ -152,10 +160,19 @@ def _task_env(config: LaunchConfig, tf_config: TFConfig, task: str, index: int) 
     env["PYTHONUNBUFFERED"] = "1"
     if task == "ps":  # a ps logs every client's whole session config at INFO level
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
-    if config.threads_per_task:
-        env["TF_NUM_INTRAOP_THREADS"] = str(config.threads_per_task)
-        env["OMP_NUM_THREADS"] = str(config.threads_per_task)
+    threads = threads_per_task(config)
+    if threads:  # both pools: 2 inter-op threads alone keep ~1.4 cores of a process busy
+        env["TF_NUM_INTRAOP_THREADS"] = env["TF_NUM_INTEROP_THREADS"] = str(threads)
+        env["OMP_NUM_THREADS"] = str(threads)
     return env
+
+
+def threads_per_task(config: LaunchConfig) -> int:
+    """Threads per TensorFlow pool for each task (0: TensorFlow's defaults)."""
+    if config.threads_per_task is not None:
+        return config.threads_per_task
+    training_tasks = config.workers + (1 if config.chief else 0)
+    return max(1, (os.cpu_count() or 1) // training_tasks)
 
 
 def _start(config: LaunchConfig, tf_config: TFConfig, out: TextIO) -> tuple[list, list]:

@@ -25,7 +25,7 @@ DEFAULT_SIZES = tuple(4 * 16**k for k in range(7))  # 4 B .. 64 MiB
 class AllReduceConfig:
     workers: int = 2
     sizes: Sequence[int] = DEFAULT_SIZES
-    iters: int = 10
+    iters: int = 30
     peer: bool = True
     out: str = "bench-out"
 
