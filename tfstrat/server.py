@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 from tfstrat.cluster import TFConfig, TFConfigError
 
@@ -48,6 +49,11 @@ def start_server(tf_config: TFConfig, task: tuple[str, int] | None = None):
         # eager service crashed now and then (SIGSEGV in GetOrCreateKernelAndDevice while two
         # workers' eager ops ran at once). Nothing a worker asks of a ps blocks.
         config.inter_op_parallelism_threads = 1
+    elif os.environ.get("TF_NUM_INTEROP_THREADS") == "1":
+        # A worker server runs the functions other tasks send it (stock
+        # ParameterServerStrategy's closures); with one inter-op thread those hang (measured
+        # under `tfstrat launch --threads-per-task 1`). Two threads, as a 2-core host's default.
+        config.inter_op_parallelism_threads = 2
     try:
         server = tf.distribute.Server(
             tf.train.ClusterSpec({k: list(v) for k, v in tf_config.cluster.items()}),
