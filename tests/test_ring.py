@@ -53,6 +53,22 @@ def test_sums_every_size_and_shape(n):
         r.close()
 
 
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_all_gather_stacks_every_workers_block_by_rank(n):
+    rings, errors = _rings(n)
+    assert not any(errors), errors
+    for shape in [(0, 3), (1, 1), (4, 5), (1000, 9)]:
+        xs = [
+            np.full(shape, i, np.float32) + np.arange(shape[-1], dtype=np.float32) for i in range(n)
+        ]
+        outs, errors = _on_threads(lambda i, xs=xs: rings[i].all_gather(xs[i]), n)
+        assert not any(errors), errors
+        for out in outs:
+            np.testing.assert_array_equal(out, np.concatenate(xs, axis=0))
+    for r in rings:
+        r.close()
+
+
 def test_workers_reducing_different_tensors_fail_with_both_sizes():
     rings, _ = _rings(2)
     sizes = [8, 10]

@@ -4,7 +4,7 @@ A subclass of TensorFlow's collective all-reduce (ring on CPUs, NCCL on GPUs) th
 things: how `IndexedSlices` are reduced (dedup, then one all-gather), and, with a `ring`
 (`communication="tcp"`, one device per worker), dense floating-point tensors go out packed in
 one call of tfstrat's TCP ring (`tfstrat.reduce.ring`) instead of TensorFlow's gRPC
-collectives. Otherwise dense tensors keep TensorFlow's packing (one collective per pack of
+collectives, and packed sparse rows in one ring all-gather. Otherwise dense tensors keep TensorFlow's packing (one collective per pack of
 `bytes_per_pack`, or one for everything by default).
 """
 
@@ -93,23 +93,26 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
         static = all(t.shape.is_fully_defined() for t in dense)
         return self.ring is not None and static and len(dtypes) == 1 and dtypes.pop().is_floating
 
-    def _ring_all_reduce(self, reduce_op, dense):
-        """One TCP ring all-reduce for every dense tensor: packed into one flat vector.
+    def _ring_call(self, fn, tensor, shape, name):
+        """`fn(tensor)` (a ring method) in the graph, after the graph's previous ring call.
 
         Ring calls must run in the same order on every worker: within a graph each one waits
         for the previous (control dependency); graphs and eager calls run one at a time.
         """
+        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+        last = self._last_ring_op.get(graph) if graph is not None else None
+        with tf.control_dependencies([last] if last is not None else []):
+            out = tf.numpy_function(fn, [tensor], tensor.dtype, stateful=True, name=name)
+        if graph is not None:
+            self._last_ring_op[graph] = out.op
+        out.set_shape(shape)
+        return out
+
+    def _ring_all_reduce(self, reduce_op, dense):
+        """One TCP ring all-reduce for every dense tensor: packed into one flat vector."""
         with tf.device(self._devices[0]):
             flat = tf.concat([tf.reshape(t, [-1]) for t in dense], 0)
-            graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-            last = self._last_ring_op.get(graph) if graph is not None else None
-            with tf.control_dependencies([last] if last is not None else []):
-                summed = tf.numpy_function(
-                    self.ring.all_reduce, [flat], flat.dtype, stateful=True, name="tcp_all_reduce"
-                )
-            if graph is not None:
-                self._last_ring_op[graph] = summed.op
-            summed.set_shape(flat.shape)
+            summed = self._ring_call(self.ring.all_reduce, flat, flat.shape, "tcp_all_reduce")
             if reduce_op == tf.distribute.ReduceOp.MEAN:
                 summed = summed / self._group_size
             parts = tf.split(summed, [t.shape.num_elements() for t in dense])
@@ -124,7 +127,14 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
             else:
                 packed = sparse.pack_rows(slices, rows)
                 self._record(replica_id, "all_gather", tuple(packed.shape), [packed])
-                gathered = sparse.unpack_rows(launcher.all_gather(packed, 0, options), slices)
+                if self._ring_carries([packed]):
+                    shape = [self._group_size * rows, packed.shape[1]]
+                    everyone = self._ring_call(
+                        self.ring.all_gather, packed, shape, "tcp_all_gather"
+                    )
+                else:
+                    everyone = launcher.all_gather(packed, 0, options)
+                gathered = sparse.unpack_rows(everyone, slices)
             if reduce_op == tf.distribute.ReduceOp.MEAN:
                 gathered = tf.IndexedSlices(
                     gathered.values / self._group_size, gathered.indices, gathered.dense_shape
