@@ -87,6 +87,10 @@ def test_two_workers_equal_single_device(tmp_path):
         # One TCP ring call per training step carries every dense gradient (packed); the
         # other calls are metric reductions outside the steps (end of epoch, evaluate).
         assert (r["ring/sizes"] == int(r["dense_params"])).sum() == steps, r["ring/sizes"]
+        # And one ring all-gather per step carries the embedding's rows, also in the while
+        # loop of steps_per_execution=3 where the batch size is unknown (the shuffle probe, a
+        # one-table model, adds its 10 steps): no TensorFlow collective in a step.
+        assert int(r["ring/gathers"]) == steps + 10, int(r["ring/gathers"])
 
 
 def test_three_workers_equal_single_device(tmp_path):

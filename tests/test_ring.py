@@ -69,6 +69,19 @@ def test_all_gather_stacks_every_workers_block_by_rank(n):
         r.close()
 
 
+def test_all_gather_takes_a_different_row_count_from_each_worker():
+    rings, _ = _rings(3, timeout=3.0)
+    xs = [np.full((rows, 2), rows, np.float32) for rows in (3, 0, 5)]
+    outs, errors = _on_threads(lambda i: rings[i].all_gather(xs[i]), 3)
+    assert not any(errors), errors
+    for out in outs:
+        np.testing.assert_array_equal(out, np.concatenate(xs, axis=0))
+    # Rows of another width do not fit: a clear error, not mixed data.
+    ys = [np.ones((2, 2), np.float32), np.ones((1, 3), np.float32), np.ones((2, 2), np.float32)]
+    _, errors = _on_threads(lambda i: rings[i].all_gather(ys[i]), 3)
+    assert any("a multiple of 8 bytes" in str(e) for e in errors), errors
+
+
 def test_workers_reducing_different_tensors_fail_with_both_sizes():
     rings, _ = _rings(2)
     sizes = [8, 10]

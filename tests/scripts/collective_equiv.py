@@ -36,16 +36,20 @@ strategy = (
     else tfstrat.CollectiveAllReduce(timeout=60, communication=args.communication)
 )
 # Every call of the TCP ring, by size (wrapped before any step is traced, which captures it).
-ring_sizes = []
+ring_sizes, ring_gathers = [], []
 ring = strategy.extended._cross_device_ops.ring if strategy else None
 if ring is not None:
-    ring_all_reduce = ring.all_reduce
+    ring_all_reduce, ring_all_gather = ring.all_reduce, ring.all_gather
 
     def counted(x):
         ring_sizes.append(x.size)
         return ring_all_reduce(x)
 
-    ring.all_reduce = counted
+    def counted_gather(x):
+        ring_gathers.append(x.shape)
+        return ring_all_gather(x)
+
+    ring.all_reduce, ring.all_gather = counted, counted_gather
 
 import tensorflow as tf  # noqa: E402
 from common import build_model, compile_model, data, optimizer  # noqa: E402
@@ -118,6 +122,7 @@ probe.fit(ids[:, None], np.zeros(240, "float32"), batch_size=24, epochs=1, shuff
 results["shuffle/times_seen"] = -probe.layers[0].embeddings.numpy()[:, 0] * 24  # up to a constant
 
 results["ring/sizes"] = np.array(ring_sizes, np.int64)
+results["ring/gathers"] = np.array(len(ring_gathers))
 results["dense_params"] = np.array(
     sum(w.numpy().size for w in build_model().weights if "embedding" not in w.path)
 )

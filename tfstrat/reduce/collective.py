@@ -120,21 +120,24 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
 
     def _gather_slices(self, reduce_op, slices, rows, replica_id, options):
         launcher = self._launchers[replica_id]
+        row_shape = slices.values.shape[1:]
+        packable = slices.values.dtype == tf.float32 and row_shape.is_fully_defined()
         with tf.device(self._devices[replica_id]):
-            if rows is None or slices.values.dtype != tf.float32:
+            if packable and self.ring is not None:
+                # The TCP ring takes blocks of any row count (a dataset's last batch, say).
+                packed = sparse.pack_rows(slices, rows)
+                if rows is not None:
+                    self._record(replica_id, "all_gather", tuple(packed.shape), [packed])
+                shape = [None if rows is None else self._group_size * rows, packed.shape[1]]
+                everyone = self._ring_call(self.ring.all_gather, packed, shape, "tcp_all_gather")
+                gathered = sparse.unpack_rows(everyone, slices)
+            elif rows is None or not packable:
                 # Row count unknown or not float32: TensorFlow's 3-collective padded gather.
                 gathered = sparse.dedup(launcher.all_reduce_indexed_slices(slices, options))
             else:
                 packed = sparse.pack_rows(slices, rows)
                 self._record(replica_id, "all_gather", tuple(packed.shape), [packed])
-                if self._ring_carries([packed]):
-                    shape = [self._group_size * rows, packed.shape[1]]
-                    everyone = self._ring_call(
-                        self.ring.all_gather, packed, shape, "tcp_all_gather"
-                    )
-                else:
-                    everyone = launcher.all_gather(packed, 0, options)
-                gathered = sparse.unpack_rows(everyone, slices)
+                gathered = sparse.unpack_rows(launcher.all_gather(packed, 0, options), slices)
             if reduce_op == tf.distribute.ReduceOp.MEAN:
                 gathered = tf.IndexedSlices(
                     gathered.values / self._group_size, gathered.indices, gathered.dense_shape

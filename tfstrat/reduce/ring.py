@@ -91,19 +91,18 @@ class Ring:
             return out.reshape(x.shape)
 
     def all_gather(self, x: np.ndarray) -> np.ndarray:
-        """Every worker's `x` (same shape and dtype on all) stacked along axis 0, by rank."""
+        """Every worker's `x` concatenated along axis 0, by rank. The workers' `x` share their
+        dtype and the shape of a row (`x.shape[1:]`); the row counts may differ."""
         with self._lock:
             self.calls += 1
             n, r = self.size, self.rank
-            x = np.ascontiguousarray(x)
-            out = np.empty((n * x.shape[0], *x.shape[1:]), x.dtype)
-            blocks = out.reshape(n, -1)
-            blocks[r] = x.reshape(-1)
+            blocks = [None] * n
+            blocks[r] = np.ascontiguousarray(x)
             for step in range(n - 1):  # pass each block on until it has gone round
                 self._send(blocks[(r - step) % n])
-                self._recv(blocks[(r - step - 1) % n])
+                blocks[(r - step - 1) % n] = self._recv_rows(x.dtype, x.shape[1:])
                 self._wait_sent()
-            return out
+            return np.concatenate(blocks, axis=0)
 
     def close(self):
         for s in (self._next, self._prev):
@@ -131,7 +130,7 @@ class Ring:
     def _send_loop(self):
         while (array := self._sends.get()) is not None:
             try:
-                data = memoryview(np.ascontiguousarray(array)).cast("B")
+                data = memoryview(np.ascontiguousarray(array).reshape(-1)).cast("B")
                 self._next.sendall(_HEADER.pack(self.calls, data.nbytes))
                 self._next.sendall(data)
                 self._sent.put(None)
@@ -141,15 +140,39 @@ class Ring:
                 )
 
     def _recv(self, buf: np.ndarray):
+        self._recv_header(buf.nbytes)
+        prev = self.names[(self.rank - 1) % self.size]
+        _read_into(self._prev, memoryview(buf.reshape(-1)).cast("B"), prev, self.timeout)
+
+    def _recv_rows(self, dtype, row_shape) -> np.ndarray:
+        """A block of whole rows of `row_shape`, as many as the sender sent."""
+        row_bytes = int(np.prod(row_shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        nbytes = self._recv_header(None, row_bytes)
+        buf = np.empty((nbytes // row_bytes if row_bytes else 0, *row_shape), dtype)
+        prev = self.names[(self.rank - 1) % self.size]
+        _read_into(self._prev, memoryview(buf.reshape(-1)).cast("B"), prev, self.timeout)
+        return buf
+
+    def _recv_header(self, nbytes_expected: int | None, multiple_of: int = 1) -> int:
         prev = self.names[(self.rank - 1) % self.size]
         call, nbytes = _HEADER.unpack(_read(self._prev, _HEADER.size, prev, self.timeout))
-        if call != self.calls or nbytes != buf.nbytes:
+        fits = (
+            nbytes == nbytes_expected
+            if nbytes_expected is not None
+            else (nbytes % multiple_of == 0 if multiple_of else nbytes == 0)
+        )
+        if call != self.calls or not fits:
+            expected = (
+                f"{nbytes_expected} bytes"
+                if nbytes_expected is not None
+                else f"a multiple of {multiple_of} bytes"
+            )
             raise RingError(
                 f"{prev} sent call {call} with {nbytes} bytes; {self.names[self.rank]} "
-                f"expected call {self.calls} with {buf.nbytes} bytes. The workers reduce "
+                f"expected call {self.calls} with {expected}. The workers reduce "
                 "different tensors: run the same program on every worker."
             )
-        _read_into(self._prev, memoryview(buf).cast("B"), prev, self.timeout)
+        return nbytes
 
 
 def listen(host: str) -> socket.socket:

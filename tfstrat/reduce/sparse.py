@@ -30,15 +30,21 @@ def dedup(slices: tf.IndexedSlices) -> tf.IndexedSlices:
     return tf.IndexedSlices(values, unique, slices.dense_shape)
 
 
-def pack_rows(slices: tf.IndexedSlices, rows: int) -> tf.Tensor:
+def pack_rows(slices: tf.IndexedSlices, rows: int | None) -> tf.Tensor:
     """One float32 tensor `[rows, 1 + width]`: the index (bit-cast to float32) then the row.
 
-    Rows past `slices`' own are zero with index 0, which adds nothing when summed. Values must
-    be float32 (the bit-cast index would not survive a cast to another float type).
+    Rows past `slices`' own are zero with index 0, which adds nothing when summed; `rows=None`
+    pads nothing. Values must be float32 (the bit-cast index would not survive a cast to
+    another float type).
     """
     values = tf.reshape(slices.values, [tf.shape(slices.values)[0], -1])
     index = tf.bitcast(tf.cast(slices.indices, tf.int32), tf.float32)
     packed = tf.concat([index[:, None], values], axis=1)
+    if rows is None:
+        row_shape = slices.values.shape[1:]
+        width = row_shape.num_elements() if row_shape.is_fully_defined() else None
+        packed.set_shape([None, None if width is None else 1 + width])
+        return packed
     pad = rows - tf.shape(packed)[0]
     packed = tf.pad(packed, [[0, pad], [0, 0]])
     row_shape = slices.values.shape[1:]
