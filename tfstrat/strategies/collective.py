@@ -158,9 +158,10 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
     """Synchronous data parallelism with one process per worker, for Keras 3 `fit`.
 
     The cluster comes from `TF_CONFIG` (or `tf_config`); without one, the process trains alone.
-    Dense gradients go out in one packed all-reduce per step (ring on CPUs, NCCL on GPUs);
-    sparse gradients are deduplicated and all-gathered in one collective, or densified above
-    the `sparse_as_dense` threshold. Clipping set on the optimizer of a model that `fit` trains here
+    Dense gradients go out in one packed all-reduce per step (tfstrat's TCP ring on CPU
+    workers with one device each, else TensorFlow's ring or NCCL); sparse gradients are
+    deduplicated and all-gathered in one call, or densified above the `sparse_as_dense`
+    threshold. Clipping set on the optimizer of a model that `fit` trains here
     applies to the all-reduced gradient, as in single-device training. NumPy inputs shuffled by
     Keras are shuffled alike on every worker (a shared TensorFlow seed, set if none is).
 
