@@ -91,6 +91,24 @@ def test_workers_reducing_different_tensors_fail_with_both_sizes():
     assert any("16 bytes" in m or "20 bytes" in m for m in messages), messages
 
 
+def test_after_a_failure_the_ring_refuses_further_calls_saying_why():
+    rings, _ = _rings(2, timeout=1.0)
+    with pytest.raises(ring.RingError, match="sent nothing"):
+        rings[0].all_reduce(np.ones(4, np.float32))  # worker 1 never calls: times out
+    with pytest.raises(ring.RingError, match="failed earlier.*sent nothing"):
+        rings[0].all_reduce(np.ones(4, np.float32))  # a late message must not be taken as new
+
+
+def test_sums_dtypes_the_buffer_protocol_cannot_cast():
+    import ml_dtypes  # ships with TensorFlow
+
+    rings, _ = _rings(2)
+    xs = [np.arange(6, dtype=ml_dtypes.bfloat16) * (i + 1) for i in range(2)]
+    outs, errors = _on_threads(lambda i: rings[i].all_reduce(xs[i]), 2)
+    assert not any(errors), errors
+    np.testing.assert_array_equal(outs[0].astype(np.float32), np.arange(6) * 3.0)
+
+
 def test_a_peer_that_closes_fails_the_other_naming_it():
     listeners = [ring.listen("127.0.0.1") for _ in range(2)]
     addresses = [f"127.0.0.1:{s.getsockname()[1]}" for s in listeners]

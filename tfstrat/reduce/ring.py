@@ -62,47 +62,63 @@ class Ring:
         self._next.sendall(_HELLO.pack(rank, self.size))
         self._prev = _accept(listener, timeout, prev, self.size, self.names[prev])
         listener.close()
+        self._error: BaseException | None = None
         self._sends: queue.Queue = queue.Queue()
         self._sent: queue.Queue = queue.Queue()
         threading.Thread(target=self._send_loop, name="tfstrat-ring-send", daemon=True).start()
 
     def all_reduce(self, x: np.ndarray) -> np.ndarray:
         """Sum of `x` over every worker (same shape and dtype on all), as a new array."""
-        with self._lock:
-            self.calls += 1
-            out = np.array(x, copy=True).reshape(-1)
-            if self.size == 1 or out.size == 0:
-                return out.reshape(x.shape)
-            n, r = self.size, self.rank
-            bounds = np.linspace(0, out.size, n + 1).astype(np.int64)
-            chunk = lambda i: out[bounds[i % n] : bounds[i % n + 1]]  # noqa: E731
-            scratch = np.empty(bounds[1] - bounds[0] + 1, out.dtype)
-            for step in range(n - 1):  # reduce-scatter: chunk r+1 ends up summed here
-                incoming = chunk(r - step - 1)
-                self._send(chunk(r - step))
-                buf = scratch[: incoming.size]
-                self._recv(buf)
-                self._wait_sent()
-                np.add(incoming, buf, out=incoming)
-            for step in range(n - 1):  # all-gather: pass the summed chunks around
-                self._send(chunk(r + 1 - step))
-                self._recv(chunk(r - step))
-                self._wait_sent()
-            return out.reshape(x.shape)
+        return self._call(self._all_reduce, x)
 
     def all_gather(self, x: np.ndarray) -> np.ndarray:
         """Every worker's `x` concatenated along axis 0, by rank. The workers' `x` share their
         dtype and the shape of a row (`x.shape[1:]`); the row counts may differ."""
+        return self._call(self._all_gather, x)
+
+    def _call(self, fn, x):
+        """One call at a time; after a failure the ring is broken for good (a half-read
+        message would otherwise be taken for the next call's), and says why."""
         with self._lock:
+            if self._error is not None:
+                raise RingError(f"the ring failed earlier and cannot be used: {self._error}")
             self.calls += 1
-            n, r = self.size, self.rank
-            blocks = [None] * n
-            blocks[r] = np.ascontiguousarray(x)
-            for step in range(n - 1):  # pass each block on until it has gone round
-                self._send(blocks[(r - step) % n])
-                blocks[(r - step - 1) % n] = self._recv_rows(x.dtype, x.shape[1:])
-                self._wait_sent()
-            return np.concatenate(blocks, axis=0)
+            try:
+                return fn(np.asarray(x))
+            except BaseException as e:
+                self._error = e
+                raise
+
+    def _all_reduce(self, x: np.ndarray) -> np.ndarray:
+        out = np.array(x, copy=True).reshape(-1)
+        if self.size == 1 or out.size == 0:
+            return out.reshape(x.shape)
+        n, r = self.size, self.rank
+        bounds = np.linspace(0, out.size, n + 1).astype(np.int64)
+        chunk = lambda i: out[bounds[i % n] : bounds[i % n + 1]]  # noqa: E731
+        scratch = np.empty(bounds[1] - bounds[0] + 1, out.dtype)
+        for step in range(n - 1):  # reduce-scatter: chunk r+1 ends up summed here
+            incoming = chunk(r - step - 1)
+            self._send(chunk(r - step))
+            buf = scratch[: incoming.size]
+            self._recv(buf)
+            self._wait_sent()
+            np.add(incoming, buf, out=incoming)
+        for step in range(n - 1):  # all-gather: pass the summed chunks around
+            self._send(chunk(r + 1 - step))
+            self._recv(chunk(r - step))
+            self._wait_sent()
+        return out.reshape(x.shape)
+
+    def _all_gather(self, x: np.ndarray) -> np.ndarray:
+        n, r = self.size, self.rank
+        blocks = [None] * n
+        blocks[r] = np.ascontiguousarray(x)
+        for step in range(n - 1):  # pass each block on until it has gone round
+            self._send(blocks[(r - step) % n])
+            blocks[(r - step - 1) % n] = self._recv_rows(x.dtype, x.shape[1:])
+            self._wait_sent()
+        return np.concatenate(blocks, axis=0)
 
     def close(self):
         for s in (self._next, self._prev):
@@ -115,11 +131,11 @@ class Ring:
     # -- framing ------------------------------------------------------------------------
 
     def _send(self, array: np.ndarray):
-        self._sends.put(array)
+        self._sends.put((self.calls, array))
 
     def _wait_sent(self):
-        try:
-            error = self._sent.get(timeout=self.timeout + 1)
+        try:  # the header and the payload may each take up to the timeout
+            error = self._sent.get(timeout=2 * self.timeout + 1)
         except queue.Empty:
             error = (
                 f"sending to {self.names[(self.rank + 1) % self.size]} took over {self.timeout} s"
@@ -128,13 +144,14 @@ class Ring:
             raise RingError(error)
 
     def _send_loop(self):
-        while (array := self._sends.get()) is not None:
+        while (item := self._sends.get()) is not None:
+            call, array = item
             try:
-                data = memoryview(np.ascontiguousarray(array).reshape(-1)).cast("B")
-                self._next.sendall(_HEADER.pack(self.calls, data.nbytes))
+                data = _bytes_of(np.ascontiguousarray(array))
+                self._next.sendall(_HEADER.pack(call, data.nbytes))
                 self._next.sendall(data)
                 self._sent.put(None)
-            except OSError as e:
+            except Exception as e:  # noqa: BLE001 (handed to the waiting call)
                 self._sent.put(
                     f"sending to {self.names[(self.rank + 1) % self.size]} failed: {e!r}"
                 )
@@ -142,7 +159,7 @@ class Ring:
     def _recv(self, buf: np.ndarray):
         self._recv_header(buf.nbytes)
         prev = self.names[(self.rank - 1) % self.size]
-        _read_into(self._prev, memoryview(buf.reshape(-1)).cast("B"), prev, self.timeout)
+        _read_into(self._prev, _bytes_of(buf), prev, self.timeout)
 
     def _recv_rows(self, dtype, row_shape) -> np.ndarray:
         """A block of whole rows of `row_shape`, as many as the sender sent."""
@@ -150,7 +167,7 @@ class Ring:
         nbytes = self._recv_header(None, row_bytes)
         buf = np.empty((nbytes // row_bytes if row_bytes else 0, *row_shape), dtype)
         prev = self.names[(self.rank - 1) % self.size]
-        _read_into(self._prev, memoryview(buf.reshape(-1)).cast("B"), prev, self.timeout)
+        _read_into(self._prev, _bytes_of(buf), prev, self.timeout)
         return buf
 
     def _recv_header(self, nbytes_expected: int | None, multiple_of: int = 1) -> int:
@@ -173,6 +190,12 @@ class Ring:
                 "different tensors: run the same program on every worker."
             )
         return nbytes
+
+
+def _bytes_of(array: np.ndarray) -> memoryview:
+    """The bytes of a contiguous array as a writable-if-the-array-is view (any dtype, even
+    ones the buffer protocol cannot cast, such as bfloat16)."""
+    return memoryview(array.reshape(-1).view(np.uint8))
 
 
 def listen(host: str) -> socket.socket:

@@ -37,18 +37,19 @@ def pack_rows(slices: tf.IndexedSlices, rows: int | None) -> tf.Tensor:
     pads nothing. Values must be float32 (the bit-cast index would not survive a cast to
     another float type).
     """
-    values = tf.reshape(slices.values, [tf.shape(slices.values)[0], -1])
+    row_shape = slices.values.shape[1:]
+    width = row_shape.num_elements() if row_shape.is_fully_defined() else None
+    # A static width also reshapes an empty local batch (with 0 rows a -1 width is unknown).
+    values = tf.reshape(
+        slices.values, [-1, width] if width is not None else [tf.shape(slices.values)[0], -1]
+    )
     index = tf.bitcast(tf.cast(slices.indices, tf.int32), tf.float32)
     packed = tf.concat([index[:, None], values], axis=1)
     if rows is None:
-        row_shape = slices.values.shape[1:]
-        width = row_shape.num_elements() if row_shape.is_fully_defined() else None
         packed.set_shape([None, None if width is None else 1 + width])
         return packed
     pad = rows - tf.shape(packed)[0]
     packed = tf.pad(packed, [[0, pad], [0, 0]])
-    row_shape = slices.values.shape[1:]
-    width = row_shape.num_elements() if row_shape.is_fully_defined() else None
     packed.set_shape([rows, None if width is None else 1 + width])
     return packed
 

@@ -231,6 +231,12 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
             self, _Extended(self, resolver, options, count, self.density)
         )
         if tcp:
+            if len(self.extended.worker_devices) != 1:
+                raise ValueError(
+                    f"Received: communication='tcp' with {len(self.extended.worker_devices)} "
+                    f"devices on this worker ({list(self.extended.worker_devices)}). The TCP "
+                    "ring carries one device per worker; use communication='auto' or 'nccl'."
+                )
             self.extended._cross_device_ops.ring = self._connect_ring(timeout or DEFAULT_TIMEOUT)
         logger.info(
             "tfstrat: CollectiveAllReduce, worker %d of %d, %d replica(s) in sync, %s, "
