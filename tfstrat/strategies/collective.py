@@ -250,21 +250,20 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
 
     def _connect_ring(self, timeout: float) -> ring.Ring:
         """Every worker listens on a port the OS picks; one all-gather tells the others."""
-        tasks = [("chief", a) for a in self.tf_config.addresses("chief")]
-        tasks += [("worker", a) for a in self.tf_config.addresses("worker")]
+        # Ranks as TensorFlow's: the chief first, then the workers.
+        tasks = [
+            (f"/job:{job}/replica:0/task:{i}", address.rsplit(":", 1)[0])
+            for job in ("chief", "worker")
+            for i, address in enumerate(self.tf_config.addresses(job))
+        ]
         rank = self.extended._id_in_cluster
-        host = tasks[rank][1].rsplit(":", 1)[0]
-        listener = ring.listen(host)
+        listener = ring.listen(tasks[rank][1])
         mine = tf.constant([[rank, listener.getsockname()[1]]], tf.int32)
         gather = lambda: tf.distribute.get_replica_context().all_gather(mine, 0)  # noqa: E731
         gathered = tf.function(lambda: self.run(gather))()
         ports = dict(self.experimental_local_results(gathered)[0].numpy().tolist())
-        job_index = {}
-        names = []
-        for job, _ in tasks:
-            names.append(f"/job:{job}/replica:0/task:{job_index.setdefault(job, 0)}")
-            job_index[job] += 1
-        addresses = [f"{a.rsplit(':', 1)[0]}:{ports[i]}" for i, (_, a) in enumerate(tasks)]
+        addresses = [f"{host}:{ports[i]}" for i, (_, host) in enumerate(tasks)]
+        names = [name for name, _ in tasks]
         return ring.Ring(rank, addresses, listener, timeout, names)
 
     @property
