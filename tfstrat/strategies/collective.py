@@ -231,12 +231,6 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
             self, _Extended(self, resolver, options, count, self.density)
         )
         if tcp:
-            if len(self.extended.worker_devices) != 1:
-                raise ValueError(
-                    f"Received: communication='tcp' with {len(self.extended.worker_devices)} "
-                    f"devices on this worker ({list(self.extended.worker_devices)}). The TCP "
-                    "ring carries one device per worker; use communication='auto' or 'nccl'."
-                )
             self.extended._cross_device_ops.ring = self._connect_ring(timeout or DEFAULT_TIMEOUT)
         logger.info(
             "tfstrat: CollectiveAllReduce, worker %d of %d, %d replica(s) in sync, %s, "
@@ -303,18 +297,19 @@ def _use_tcp(communication: str, count: int | None, tf_config: TFConfig | None) 
     workers = (
         len(tf_config.addresses("chief")) + len(tf_config.addresses("worker")) if tf_config else 1
     )
+    local = count or _num_gpus() or 1  # devices=None: every GPU, else one CPU
     if communication == "tcp":
-        if count and count > 1:
+        if local > 1:
             raise ValueError(
-                f"Received: communication='tcp' with devices={count}. The TCP ring carries one "
-                "device per worker; use communication='ring' (or 'auto') for several."
+                f"Received: communication='tcp' with {local} devices per worker. The TCP ring "
+                "carries one device per worker; use communication='auto', 'ring' or 'nccl'."
             )
         return workers > 1
     if communication not in ("auto", "ring", "nccl"):
         raise ValueError(
             f"Received: communication={communication!r}. Use 'auto', 'tcp', 'ring' or 'nccl'."
         )
-    return communication == "auto" and workers > 1 and not (count and count > 1) and not _num_gpus()
+    return communication == "auto" and workers > 1 and local == 1 and not _num_gpus()
 
 
 def _check_cpu_split(count: int):
