@@ -79,7 +79,7 @@ def test_first_failure_stops_everyone_promptly():
     assert code == 3, out
     assert elapsed < 30, out
     assert "worker:1 failed first (exit code 3)" in out
-    assert "worker one fails now" in out.split("failed first")[1]
+    assert "worker one fails now" in out.rsplit("failed first", 1)[1]  # in the final box
 
 
 def test_timeout_stops_everything_with_124():

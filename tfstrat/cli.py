@@ -82,11 +82,34 @@ def _cmd_launch(args) -> int:
             timeout=args.timeout,
             port_retries=args.port_retries,
             threads_per_task=args.threads_per_task,
+            grace=args.grace,
+            restarts=args.restarts,
         )
     except ValueError as e:
         print(f"tfstrat launch: {e}", file=sys.stderr)
         return EXIT_USAGE
     return launch(config)
+
+
+_LAUNCH_DESCRIPTION = """\
+Runs COMMAND as every chief and worker task of a cluster on 127.0.0.1 (plus `tfstrat server`
+for each ps task), each with its own TF_CONFIG and TFSTRAT_TASK (e.g. worker:1), its output
+prefixed with its task name. Every task and everything it starts dies with the launcher."""
+
+_LAUNCH_EPILOG = """\
+When a task fails, the others get SIGTERM, then SIGKILL after --grace seconds, and the task's
+last lines are printed. If its error names another task (a worker that timed out waiting for
+worker:1, or for ps:0), that task is reported as the probable cause. A worker that exits 0
+while others still run is reported too. With --restarts K, every task is started again on
+fresh ports, up to K times; not after exit codes 2, 126 or 127, a timeout, or SIGINT/SIGTERM.
+
+exit status: 0 when every chief and worker exits 0; else the first failed task's code
+(128+N when signal N killed it: 137 SIGKILL, 143 SIGTERM); 124 on --timeout; 127 command
+not found; 126 not executable; 130 on Ctrl-C and 143 on SIGTERM to the launcher.
+
+Every flag falls back to TFSTRAT_<FLAG>, e.g. TFSTRAT_RESTARTS=3.
+
+example: tfstrat launch --workers 2 --ps 1 --restarts 3 -- python train.py"""
 
 
 def _cmd_server(args) -> int:
@@ -180,12 +203,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--export", action="store_true", default=_env("export", False, bool))
     p.set_defaults(run=_cmd_tf_config)
 
-    p = sub.add_parser("launch", help="run a real cluster on 127.0.0.1: launch [flags] -- CMD")
+    p = sub.add_parser(
+        "launch",
+        help="run a real cluster on 127.0.0.1: launch [flags] -- CMD",
+        description=_LAUNCH_DESCRIPTION,
+        epilog=_LAUNCH_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     g = p.add_argument_group("Cluster")
     g.add_argument("--workers", type=int, default=_env("workers", 1, int))
     g.add_argument("--ps", type=int, default=_env("ps", 0, int), help="ps tasks to start")
     g.add_argument("--chief", action="store_true", default=_env("chief", False, bool))
-    g.add_argument("--port-retries", type=int, default=_env("port-retries", 3, int))
+    g.add_argument(
+        "--port-retries",
+        type=int,
+        default=_env("port-retries", 3, int),
+        help="starts on fresh ports when TensorFlow finds a port taken (default 3)",
+    )
     g = p.add_argument_group("Devices")
     g.add_argument(
         "--threads-per-task",
@@ -199,7 +233,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout",
         type=float,
         default=_env("timeout", None, float),
-        help="stop everything after SECONDS and exit 124",
+        metavar="SECONDS",
+        help="stop everything after SECONDS (all restarts included) and exit 124",
+    )
+    g.add_argument(
+        "--restarts",
+        type=int,
+        default=_env("restarts", 0, int),
+        metavar="K",
+        help="when a task fails, stop all and start all again on fresh ports, up to K times "
+        "(default 0); tasks see the attempt in TFSTRAT_RESTART",
+    )
+    g.add_argument(
+        "--grace",
+        type=float,
+        default=_env("grace", 5.0, float),
+        metavar="SECONDS",
+        help="seconds between SIGTERM and SIGKILL when stopping tasks (default 5)",
     )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ARGS...")
     p.set_defaults(run=_cmd_launch)

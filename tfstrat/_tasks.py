@@ -1,0 +1,217 @@
+"""The task processes of `tfstrat launch`: starting, watching, stopping, and blaming them.
+
+Each task runs under a small watcher process (`_watch.py`): the task and everything it starts
+die with the launcher, even when the launcher is SIGKILLed and the task is a wrapper such as
+`sh -c "python train.py"`. When a task fails, `blame` reads its last lines for the task it
+names (`/job:worker/replica:0/task:1`, `worker:1`, `ps:0`): a worker that times out waiting for
+a stopped peer fails first, but the peer is the cause.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Collection, Sequence
+from typing import TextIO
+
+_WATCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_watch.py")
+# TensorFlow reports a port taken between choosing and binding it only as this.
+_PORT_ERRORS = ("Could not start gRPC server", "Address already in use")
+_TAIL_LINES = 40  # kept for blame; the report prints the last 20
+# TensorFlow's task names, and tfstrat's (`worker:1`, `ps:0 at host:port`).
+_TASK_NAME = re.compile(r"/job:(\w+)/replica:\d+/task:(\d+)|\b(chief|worker|ps|evaluator):(\d+)\b")
+_ERROR_LINE = re.compile(r"\w(Error|Exception|Exit)\b|\berror\b|failed|fatal|abort", re.I)
+
+
+def exit_status(returncode: int) -> int:
+    """A Popen return code as a shell reports it: 128 + N for a task killed by signal N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def signal_note(returncode: int) -> str:
+    """ ", killed by SIGKILL" for a task killed by a signal, else ""."""
+    if returncode >= 0:
+        return ""
+    try:
+        return f", killed by {signal.Signals(-returncode).name}"
+    except ValueError:
+        return f", killed by signal {-returncode}"
+
+
+class Task:
+    """One task: its watcher process, and the reader thread that prefixes and keeps its output."""
+
+    def __init__(self, name: str, argv: Sequence[str], env: dict[str, str], out: TextIO):
+        self.name = name
+        self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
+        self.port_error = False
+        read_end, self._lifeline = os.pipe()  # both ends close-on-exec: no task inherits them
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", _WATCH, str(read_end), "--", *argv],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                pass_fds=(read_end,),
+            )
+        except BaseException:
+            os.close(self._lifeline)
+            raise
+        finally:
+            os.close(read_end)
+        self._out = out
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        for raw in self.proc.stdout:
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            self.tail.append(line)
+            if any(e in line for e in _PORT_ERRORS):
+                self.port_error = True
+            self._out.write(f"[{self.name}] {line}\n")
+            self._out.flush()
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def finish_output(self, timeout: float = 5.0):
+        self._reader.join(timeout)
+
+    def terminate(self):
+        """SIGTERM to the task's process group (the watcher forwards it, with SIGCONT)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def kill(self):
+        """SIGKILL to the task and every descendant; waits for them and the output's end."""
+        if self._lifeline is not None:
+            os.close(self._lifeline)  # the watcher kills everything below it and exits
+            self._lifeline = None
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:  # a watcher that cannot exit: its task has PDEATHSIG
+            self.proc.kill()
+            self.proc.wait()
+        self.finish_output(timeout=2)
+
+
+def _uninterrupted(fn: Callable[[], None]):
+    """Runs fn to the end even if SIGINT/SIGTERM (KeyboardInterrupt) arrives meanwhile."""
+    while True:
+        try:
+            return fn()
+        except KeyboardInterrupt:
+            continue
+
+
+def stop(tasks: Sequence[Task], grace: float):
+    """SIGTERM to every live task, up to `grace` seconds to exit, then SIGKILL to all."""
+    live = [t for t in tasks if t.poll() is None]
+    try:
+        for t in live:
+            t.terminate()
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(t.poll() is None for t in live):
+            time.sleep(0.05)
+    except KeyboardInterrupt:  # a second Ctrl-C or SIGTERM: no more grace
+        pass
+    for t in tasks:
+        _uninterrupted(t.kill)
+
+
+def error_line(lines: Sequence[str]) -> str:
+    """The last line that looks like an error (e.g. Python's exception line), else the last."""
+    lines = [line.strip() for line in lines if line.strip()]
+    line = next((x for x in reversed(lines) if _ERROR_LINE.search(x)), lines[-1] if lines else "")
+    return line[:300] or "(no output)"
+
+
+def named_tasks(lines: Sequence[str], me: str, known: Collection[str]) -> list[str]:
+    """Tasks of `known` other than `me` that the last error in `lines` names, latest first.
+
+    Only the lines from the last "Traceback" on count when there is one: earlier lines are
+    logs, which may name other tasks for other reasons.
+    """
+    lines = list(lines)
+    start = max((i for i, x in enumerate(lines) if x.startswith("Traceback")), default=0)
+    names: list[str] = []
+    for line in reversed(lines[start:]):
+        for m in _TASK_NAME.finditer(line):
+            name = f"{m[1]}:{m[2]}" if m[1] else f"{m[3]}:{m[4]}"
+            if name != me and name in known and name not in names:
+                names.append(name)
+    return names
+
+
+@dataclasses.dataclass(frozen=True)
+class Failure:
+    """The first task that failed, and the task that probably caused it."""
+
+    noticed_by: Task
+    returncode: int  # Popen's: negative for a signal
+    cause: str  # a task name; the noticer's own unless its error names another or one left
+    why: str = ""  # how the cause was found, when it is not the noticer
+
+    @property
+    def code(self) -> int:
+        return exit_status(self.returncode)
+
+    def headline(self) -> str:
+        seen = (
+            f"{self.noticed_by.name} failed first (exit code {self.code}"
+            f"{signal_note(self.returncode)})"
+        )
+        if self.cause == self.noticed_by.name:
+            return seen
+        return f"{self.cause} is the probable cause: {seen} {self.why}"
+
+    def summary(self) -> str:
+        """One line for a restart notice: which task, exit code, its error line."""
+        line = error_line(self.noticed_by.tail)
+        if self.cause == self.noticed_by.name:
+            return (
+                f"{self.cause} failed (exit code {self.code}{signal_note(self.returncode)}): {line}"
+            )
+        return (
+            f"{self.cause} (probable cause; {self.noticed_by.name} failed with exit code "
+            f"{self.code}): {line}"
+        )
+
+
+def blame(task: Task, returncode: int, known: Collection[str], left_early: Sequence[str]):
+    """The Failure of `task`: the task its error names, else one that exited 0 too early."""
+    named = named_tasks(task.tail, task.name, known)
+    if named:
+        return Failure(task, returncode, named[0], f"with an error naming {named[0]}")
+    others = [name for name in left_early if name != task.name]
+    if others:
+        return Failure(
+            task, returncode, others[0], f"after {others[0]} had exited 0 while the others ran"
+        )
+    return Failure(task, returncode, task.name)
+
+
+def report(failure: Failure, tasks_by_name: dict[str, Task], out: TextIO):
+    """The box printed when a run fails: headline, the noticer's last lines (and the cause's)."""
+    bar = "=" * 72
+    task = failure.noticed_by
+    out.write(f"{bar}\ntfstrat launch: {failure.headline()}; stopped the other tasks.\n")
+    out.write(f"Last lines of {task.name}:\n")
+    for line in list(task.tail)[-20:]:
+        out.write(f"  {line}\n")
+    cause = tasks_by_name.get(failure.cause)
+    if cause is not None and cause is not task:
+        out.write(f"Last lines of {cause.name}:\n")
+        for line in list(cause.tail)[-5:] or ["(no output)"]:
+            out.write(f"  {line}\n")
+    out.write(f"{bar}\n")
+    out.flush()
