@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import os
 import re
 import signal
@@ -52,21 +53,29 @@ class Task:
         self.name = name
         self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
         self.port_error = False
-        read_end, self._lifeline = os.pipe()  # both ends close-on-exec: no task inherits them
+        # All four ends are close-on-exec: no task inherits them.
+        read_end, self._lifeline = os.pipe()
+        spec_read, spec_write = os.pipe()
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", _WATCH, str(read_end), "--", *argv],
-                env=env,
+                [sys.executable, "-I", "-S", _WATCH, str(read_end), str(spec_read)],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
-                pass_fds=(read_end,),
+                pass_fds=(read_end, spec_read),
             )
         except BaseException:
             os.close(self._lifeline)
+            os.close(spec_write)
             raise
         finally:
             os.close(read_end)
+            os.close(spec_read)
+        try:
+            with open(spec_write, "w", encoding="utf-8") as f:
+                json.dump({"argv": list(argv), "env": env}, f)
+        except BrokenPipeError:  # the watcher died at start: its exit code tells the launcher
+            pass
         self._out = out
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()

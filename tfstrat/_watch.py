@@ -1,7 +1,10 @@
 """Runs one task of `tfstrat launch` and takes every process it started down with it.
 
-The launcher starts it as `python -I -S _watch.py FD -- COMMAND...`; it imports only the
-standard library (not tfstrat, not TensorFlow), so it costs ~20 ms and a few MB per task. It
+The launcher starts it as `python -I -S _watch.py LIFELINE SPEC` (two file descriptors) and
+writes the task's command and environment as JSON to SPEC, so the only process whose
+`/proc/PID/environ` holds the task's TF_CONFIG, and whose command line is the task's, is the
+task itself (tests and tools find tasks that way). It imports only the standard library (not
+tfstrat, not TensorFlow), so it costs ~20 ms and a few MB per task. It
 
 - starts COMMAND in its own process group, with SIGKILL as its parent-death signal;
 - is a child subreaper (Linux), so the command's orphaned descendants (the `python` of
@@ -16,6 +19,7 @@ standard library (not tfstrat, not TensorFlow), so it costs ~20 ms and a few MB 
 """
 
 import ctypes
+import json
 import os
 import resource
 import select
@@ -129,14 +133,17 @@ def _exit_like(status: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    lifeline, command = int(argv[1]), argv[3:]
+    lifeline = int(argv[1])
+    with open(int(argv[2]), encoding="utf-8") as f:
+        spec = json.load(f)
+    command = spec["argv"]
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)
     # Ctrl-C and a closed terminal reach the launcher's process group, this one included: the
     # launcher decides what happens to the task (handlers, not SIG_IGN, so exec resets them).
     signal.signal(signal.SIGINT, lambda *_: None)
     signal.signal(signal.SIGHUP, lambda *_: None)
     try:
-        proc = subprocess.Popen(command, preexec_fn=_in_child)
+        proc = subprocess.Popen(command, env=spec["env"], preexec_fn=_in_child)
     except OSError as e:
         print(f"tfstrat launch: cannot run {command[0]!r}: {e.strerror}", flush=True)
         os._exit(_EXIT_NOT_FOUND if isinstance(e, FileNotFoundError) else _EXIT_NOT_EXECUTABLE)

@@ -130,12 +130,20 @@ class _Attempt:
 
     def __init__(self, config: LaunchConfig, tf_config: TFConfig, out: TextIO, restart: int):
         self.config, self.out = config, out
-        env = lambda t, i: _task_env(config, tf_config, t, i, restart)  # noqa: E731
+        env = lambda t, i: _task_env(config, tf_config, t, i, restart)
         server = [sys.executable, "-m", "tfstrat", "server"]
-        self.ps = [Task(f"ps:{i}", server, env("ps", i), out) for i in range(config.ps)]
         roles = [("chief", 0)] if config.chief else []
         roles += [("worker", i) for i in range(config.workers)]
-        self.train = [Task(f"{t}:{i}", config.command, env(t, i), out) for t, i in roles]
+        self.ps: list[Task] = []
+        self.train: list[Task] = []
+        try:
+            for i in range(config.ps):
+                self.ps.append(Task(f"ps:{i}", server, env("ps", i), out))
+            for t, i in roles:
+                self.train.append(Task(f"{t}:{i}", config.command, env(t, i), out))
+        except BaseException:  # an interrupt or OSError midway: none of them may outlive us
+            _tasks.stop(self.ps + self.train, 0)
+            raise
         self.everyone = self.ps + self.train
         self.by_name = {t.name: t for t in self.everyone}
         self.ended_at: dict[str, float] = {}  # training tasks seen exited 0, when first seen
