@@ -11,7 +11,10 @@ Same arguments, weight names and saved format as `keras.layers.Embedding`: a par
 is saved as one array and loads into a stock layer, or into a different number of parts.
 Under `tfstrat.Hybrid` with ps tasks the table lives on the ps tasks (`tfstrat.ps.remote`): the
 layer holds only a scalar "anchor" weight whose gradient carries the rows' gradient to the ps.
-Quantized and LoRA tables fall back to the stock path.
+The table's optimizer slots live there too (Adagrad's accumulator, Adam's moments), outside
+Keras's optimizer: checkpoints keep them in a group of their own beside the layer's
+(`<layer>/table_slots`), which a stock Keras model never reads, so the file still loads into
+one. Quantized and LoRA tables fall back to the stock path.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 import tensorflow as tf
+from keras.src.saving.keras_saveable import KerasSaveable
 
 
 def _layout(layer) -> list[int | None]:
@@ -36,6 +40,33 @@ def part_bounds(rows: int, parts: int) -> list[tuple[int, int]]:
     `tf.nn.embedding_lookup`'s "div" strategy expects."""
     edges = np.cumsum([0] + [len(a) for a in np.array_split(np.arange(rows), parts)])
     return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:])]
+
+
+class _TableSlots(KerasSaveable):
+    """The optimizer slots of a ps-held table, as a child that Keras's saving visits.
+
+    Keras saves a layer's own variables under `<layer>/vars` and checks their count when it
+    loads them, so the slots cannot go there; it also visits every attribute of a layer that is
+    a `KerasSaveable` and saves it under `<layer>/<attribute>`. A stock Embedding has no such
+    attribute, so it never reads this group; a tfstrat Embedding with a ps-held table does.
+    """
+
+    def __init__(self, remote, strategy):
+        self._remote, self._strategy = remote, strategy
+
+    def _obj_type(self):
+        return "Operation"  # only names the attributes Keras's saving skips; we have none
+
+    def save_own_variables(self, store):
+        optimizer = getattr(self._strategy, "_optimizer", None)
+        fills = {"accumulator": float(getattr(optimizer, "initial_accumulator_value", 0.1))}
+        for name, value in self._remote.slots(fills).items():
+            store[name] = value
+
+    def load_own_variables(self, store):
+        # A file without slots (from a stock model, or saved before the first step) keeps the
+        # ps's slots, as Keras keeps an optimizer's state when a file has none for it.
+        self._remote.assign_slots({name: np.asarray(store[name]) for name in store.keys()})
 
 
 @keras.saving.register_keras_serializable(package="tfstrat")
@@ -101,6 +132,13 @@ class Embedding(keras.layers.Embedding):
                 )
         full.clear()
         self.built = True
+
+    @property
+    def table_slots(self) -> _TableSlots | None:
+        """The optimizer slots of a ps-held table, for checkpoints (None otherwise)."""
+        if self._remote is None:
+            return None
+        return _TableSlots(self._remote, self._strategy)
 
     @property
     def partitions(self) -> int:

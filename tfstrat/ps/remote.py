@@ -18,7 +18,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from tfstrat.ps.tables import OPTIMIZERS, rpc_address
+from tfstrat.ps.tables import OPTIMIZERS, SLOTS, rpc_address
 from tfstrat.ps.variables import ps_device
 
 
@@ -59,7 +59,9 @@ class TableClients:
 
 
 _I64 = tf.TensorSpec([], tf.int64)
+_IDS = tf.TensorSpec([None], tf.int64)
 _ROWS = tf.TensorSpec([None], tf.float32)
+_CHUNK = 65536  # rows per RPC when a checkpoint reads or writes a table
 
 
 class RemoteTable:
@@ -90,30 +92,72 @@ class RemoteTable:
     def devices(self) -> list[str]:
         return [ps_device(ps) for ps, *_ in self.parts]
 
-    # -- reading and writing whole tables (checkpoints) ------------------------------------
+    # -- reading and writing whole tables and slots (checkpoints) -----------------------------
+
+    def _read_rows(self, ps, method, head, rows) -> np.ndarray:
+        chunks = []
+        for a in range(0, rows, _CHUNK):
+            b = min(rows, a + _CHUNK)
+            args = [*head, tf.constant(a, tf.int64), tf.constant(b, tf.int64)]
+            flat = self.clients.call(ps, method, args, _ROWS).get_value()
+            chunks.append(flat.numpy().reshape(b - a, self.dim))
+        return np.concatenate(chunks, axis=0) if chunks else np.zeros((0, self.dim), np.float32)
+
+    def _write_rows(self, ps, method, head, rows: np.ndarray) -> None:
+        for a in range(0, len(rows), _CHUNK):
+            flat = rows[a : a + _CHUNK].reshape(-1)
+            args = [*head, tf.constant(a, tf.int64), tf.constant(flat)]
+            self.clients.call(ps, method, args, _I64).get_value()
 
     def numpy(self) -> np.ndarray:
-        chunks = []
-        for ps, number, lo, hi in self.parts:
-            for a in range(0, hi - lo, 65536):
-                b = min(hi - lo, a + 65536)
-                args = [
-                    tf.constant(number, tf.int64),
-                    tf.constant(a, tf.int64),
-                    tf.constant(b, tf.int64),
-                ]
-                flat = self.clients.call(ps, "read", args, _ROWS).get_value()
-                chunks.append(flat.numpy().reshape(b - a, self.dim))
-        return np.concatenate(chunks, axis=0)
+        return np.concatenate(
+            [
+                self._read_rows(ps, "read", [tf.constant(number, tf.int64)], hi - lo)
+                for ps, number, lo, hi in self.parts
+            ],
+            axis=0,
+        )
 
     def assign(self, table: np.ndarray) -> None:
         table = np.asarray(table, np.float32)
         for ps, number, lo, hi in self.parts:
-            for a in range(0, hi - lo, 65536):
-                b = min(hi - lo, a + 65536)
-                flat = table[lo + a : lo + b].reshape(-1)
-                args = [tf.constant(number, tf.int64), tf.constant(a, tf.int64), tf.constant(flat)]
-                self.clients.call(ps, "write", args, _I64).get_value()
+            self._write_rows(ps, "write", [tf.constant(number, tf.int64)], table[lo:hi])
+
+    def slots(self, fills: dict[str, float]) -> dict[str, np.ndarray]:
+        """The optimizer slots the ps tasks hold for this table, each whole (by name).
+
+        A part no push has reached yet has no slots; its rows are `fills[name]`, the value
+        the slot would start from.
+        """
+        present = []
+        for ps, number, _, _ in self.parts:
+            ids = self.clients.call(ps, "slots", [tf.constant(number, tf.int64)], _IDS)
+            present.append({SLOTS[i] for i in ids.get_value().numpy().tolist()})
+        out = {}
+        for name in SLOTS:
+            if not any(name in p for p in present):
+                continue
+            rows = []
+            for (ps, number, lo, hi), have in zip(self.parts, present):
+                if name in have:
+                    head = [tf.constant(number, tf.int64), tf.constant(SLOTS.index(name), tf.int64)]
+                    rows.append(self._read_rows(ps, "read_slot", head, hi - lo))
+                else:
+                    rows.append(np.full((hi - lo, self.dim), fills.get(name, 0.0), np.float32))
+            out[name] = np.concatenate(rows, axis=0)
+        return out
+
+    def assign_slots(self, slots: dict[str, np.ndarray]) -> None:
+        for name, value in slots.items():
+            value = np.asarray(value, np.float32)
+            if name not in SLOTS or value.shape != (self.rows, self.dim):
+                raise ValueError(
+                    f"Table {self.name!r}: the saved slot {name!r} has shape {value.shape}; "
+                    f"expected one of {list(SLOTS)} with shape {(self.rows, self.dim)}."
+                )
+            for ps, number, lo, hi in self.parts:
+                head = [tf.constant(number, tf.int64), tf.constant(SLOTS.index(name), tf.int64)]
+                self._write_rows(ps, "write_slot", head, value[lo:hi])
 
     # -- in the step --------------------------------------------------------------------
 

@@ -9,6 +9,9 @@ model exists, so the methods are generic over a registry of tables, addressed by
     lookup(table, ids)                         -> rows, flattened
     push(table, step, ids, grads, hyper)       -> the table's version after this push
     read(table, lo, hi) / write(table, lo, v)  -> rows lo..hi, flattened / 0
+    slots(table)                               -> the numbers of its optimizer slots (SLOTS)
+    read_slot(table, slot, lo, hi)             -> rows lo..hi of a slot, flattened
+    write_slot(table, slot, lo, v)             -> 0     (creates the slot if needed)
     drop(table)                                -> 0     (the partition search's trial tables)
     put_meta(key, value) / get_meta(key)       -> 0 / value, -1 if unset (the chief's choices)
 
@@ -16,6 +19,10 @@ A table collects the pushes of one step from every worker and, on the last, appl
 with a row-wise (lazy) optimizer update: only the pushed rows of the table and of its slots
 change. SGD and Adagrad updates equal Keras's dense update on the same gradient; Adam's is
 the lazy variant (rows not in the batch keep their moments and values).
+
+Checkpoints read and write the slots with the table (`tfstrat.keras.layers.Embedding`), so a
+run restored from one continues exactly. Adam's bias correction needs no state here: each push
+carries the step, which is the worker's `optimizer.iterations` (saved with the optimizer).
 
 The RPC server listens on the ps task's port + 1; port itself serves `tf.distribute.Server`.
 """
@@ -34,6 +41,7 @@ logger = logging.getLogger(__name__)
 # hyper = [kind, learning_rate, beta_1, beta_2, epsilon, initial_accumulator_value]
 SGD, ADAGRAD, ADAM = 0, 1, 2
 OPTIMIZERS = {"SGD": SGD, "Adagrad": ADAGRAD, "Adam": ADAM}
+SLOTS = ("accumulator", "momentum", "velocity")  # slot numbers in the RPCs
 
 
 def rpc_address(ps_address: str) -> str:
@@ -161,6 +169,25 @@ class Registry:
         t.value[int(lo) : int(lo) + rows.shape[0]].assign(rows)
         return tf.constant(0, tf.int64)
 
+    def slots(self, table):
+        names = self.get(table).slots
+        return tf.constant([i for i, name in enumerate(SLOTS) if name in names], tf.int64)
+
+    def read_slot(self, table, slot, lo, hi):
+        t = self.get(table)
+        name = SLOTS[int(slot)]
+        if name not in t.slots:
+            raise ValueError(f"tfstrat table {int(table)} has no slot {name!r}")
+        return tf.reshape(t.slots[name][int(lo) : int(hi)], [-1])
+
+    def write_slot(self, table, slot, lo, values):
+        t = self.get(table)
+        rows = tf.reshape(values, [-1, t.dim])
+        with t.lock:  # never between a step's update of the table and of its slots
+            var = t._slot(SLOTS[int(slot)], 0.0)
+            var[int(lo) : int(lo) + rows.shape[0]].assign(rows)
+        return tf.constant(0, tf.int64)
+
 
 def serve_tables(address: str):
     """Starts the RPC server of a ps task's tables at `address`; returns (server, registry)."""
@@ -196,6 +223,19 @@ def serve_tables(address: str):
     method("read", registry.read, [spec([], i64), spec([], i64), spec([], i64)], f32)
     method("write", registry.write, [spec([], i64), spec([], i64), spec([None], f32)], i64)
     method("drop", registry.drop, [spec([], i64)], i64)
+    method("slots", registry.slots, [spec([], i64)], i64)
+    method(
+        "read_slot",
+        registry.read_slot,
+        [spec([], i64), spec([], i64), spec([], i64), spec([], i64)],
+        f32,
+    )
+    method(
+        "write_slot",
+        registry.write_slot,
+        [spec([], i64), spec([], i64), spec([], i64), spec([None], f32)],
+        i64,
+    )
     method("put_meta", registry.put_meta, [spec([], i64), spec([], i64)], i64)
     method("get_meta", registry.get_meta, [spec([], i64)], i64)
     server.start()

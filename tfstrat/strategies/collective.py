@@ -328,12 +328,8 @@ def _num_gpus() -> int:
 
 def _seed_shuffles():
     """Keras shuffles NumPy inputs with an unseeded op: a shared global seed makes every worker
-    draw the same permutation, so slicing never repeats or drops an example."""
-    from tensorflow.python.framework import random_seed
+    draw the same permutation, so slicing never repeats or drops an example; the order of each
+    epoch comes from (seed, epoch), so epochs differ and a resumed run replays them."""
+    from tfstrat.strategies import _shuffle
 
-    if random_seed.get_seed(None)[0] is None:
-        tf.random.set_seed(_SHUFFLE_SEED)
-        logger.info(
-            "tfstrat: set TensorFlow's global seed to %d so every worker shuffles alike",
-            _SHUFFLE_SEED,
-        )
+    _shuffle.seed_shuffles()
