@@ -10,7 +10,7 @@ import tensorflow as tf
 from tfstrat.devices import local_devices
 from tfstrat.reduce.collective import SparseAwareAllReduce
 from tfstrat.reduce.sparse import DensityPolicy
-from tfstrat.strategies import _common
+from tfstrat.strategies import _common, _shuffle
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,7 @@ class MirroredNCCL(_common.AdoptsKerasOptimizers, tf.distribute.MirroredStrategy
         timeout: float | None = None,
     ):
         devices = local_devices(devices)
+        _shuffle.seed_shuffles(set_global_seed=False)  # reshuffled per epoch, replayable
         implementation = _common.communication_implementation(communication, devices)
         super().__init__(devices=devices)
         extended = self.extended

@@ -28,6 +28,7 @@ from tfstrat.ps import variables as psvars
 from tfstrat.ps.connect import connect
 from tfstrat.ps.sync import SyncReplicas
 from tfstrat.reduce.sparse import dedup
+from tfstrat.strategies._shuffle import seed_shuffles
 
 logger = logging.getLogger(__name__)
 
@@ -181,6 +182,7 @@ class ParameterServer(distribute_lib.Strategy):
                 f"worker(s). Use a number from 1 to {workers}, or None for all."
             )
         worker = _worker_index(tf_config)
+        seed_shuffles()  # workers slice the same global batches: they must shuffle alike
         device = connect(tf_config, timeout)
         super().__init__(
             _Extended(self, device, tf_config=tf_config, worker=worker, timeout=timeout)
