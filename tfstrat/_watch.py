@@ -48,7 +48,11 @@ def _in_child() -> None:
 def _descendants() -> list[int]:
     """Every live process below this one (orphans of the command land here: subreaper)."""
     children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
+    try:
+        entries = os.listdir("/proc")
+    except OSError:  # no /proc (not Linux): the process group is all we can reach
+        return []
+    for entry in entries:
         if not entry.isdigit():
             continue
         try:
