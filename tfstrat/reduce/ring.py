@@ -186,8 +186,9 @@ class Ring:
             )
             raise RingError(
                 f"{prev} sent call {call} with {nbytes} bytes; {self.names[self.rank]} "
-                f"expected call {self.calls} with {expected}. The workers reduce "
-                "different tensors: run the same program on every worker."
+                f"expected call {self.calls} with {expected}. The workers are at different "
+                "places of their programs: a worker stopped early (stop_training, an "
+                "exception, or the end of its data), or they run different programs or models."
             )
         return nbytes
 
@@ -259,5 +260,8 @@ def _read_into(s: socket.socket, view: memoryview, peer: str, timeout: float):
         except OSError as e:
             raise RingError(f"receiving from {peer} failed: {e!r}") from e
         if n == 0:
-            raise RingError(f"{peer} closed the connection (did it fail?)")
+            raise RingError(
+                f"{peer} closed the connection: it failed or stopped early (stop_training, an "
+                "exception, or the end of its data); its own output says why"
+            )
         got += n

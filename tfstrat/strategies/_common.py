@@ -78,8 +78,32 @@ def clip_aggregated(optimizer, grads):
     return grads
 
 
-def _take_over_clipping(optimizer):
+def _reduce_with_stop_flags(reduce_sum, stop):
+    """Keras's gradient all-reduce, with the workers' stop requests (`_stopping`) riding in
+    the same collective."""
+
+    def reduce(grads_and_vars):
+        pairs = list(grads_and_vars)
+        have = [i for i, (g, _) in enumerate(pairs) if g is not None]
+        context = tf.distribute.get_replica_context()
+        if not have or context is None:
+            return reduce_sum(pairs)
+        grads = [pairs[i][0] for i in have]
+        dense = [g for g in grads if not isinstance(g, tf.IndexedSlices)]
+        flags = stop.flags(dense[0].dtype if dense else tf.float32)
+        reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, grads + [flags])
+        stop.agree(reduced[-1])
+        for i, r in zip(have, reduced[:-1], strict=True):
+            pairs[i] = (r, pairs[i][1])
+        return pairs
+
+    return reduce
+
+
+def _take_over_clipping(optimizer, stop=None):
     reduce_sum = optimizer._all_reduce_sum_gradients
+    if stop is not None:
+        reduce_sum = _reduce_with_stop_flags(reduce_sum, stop)
 
     def reduce_then_clip(grads_and_vars):
         pairs = list(reduce_sum(grads_and_vars))
@@ -103,7 +127,11 @@ class AdoptsKerasOptimizers:
     def run(self, fn, args=(), kwargs=None, options=None):
         from keras.optimizers import Optimizer
 
-        optimizer = getattr(getattr(fn, "__self__", None), "optimizer", None)
+        model = getattr(fn, "__self__", None)
+        optimizer = getattr(model, "optimizer", None)
+        stop = getattr(self, "_stop", None)  # multi-worker strategies stop together
         if isinstance(optimizer, Optimizer) and not getattr(optimizer, "_tfstrat_clipping", False):
-            _take_over_clipping(optimizer)
+            _take_over_clipping(optimizer, stop)
+        if stop is not None and getattr(fn, "__name__", "") == "train_step":
+            stop.attach(model)
         return super().run(fn, args=args, kwargs=kwargs, options=options)

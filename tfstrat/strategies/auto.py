@@ -34,8 +34,8 @@ def auto(
         >>> import tfstrat
         >>> strategy = tfstrat.auto()  # doctest: +SKIP
     """
-    if tf_config is None and os.environ.get("TF_CONFIG"):
-        tf_config = TFConfig.from_env()
+    if tf_config is None and "TF_CONFIG" in os.environ:
+        tf_config = TFConfig.from_env()  # set but empty: an error that says so
     info = devices()
     if info.tpu:
         resolver = tf.distribute.cluster_resolver.TPUClusterResolver(

@@ -1,0 +1,88 @@
+"""Faults of CollectiveAllReduce and Hybrid: a peer that never comes up, workers that stop
+(stop_training, SIGTERM), bad input. Real worker processes; every run has a hard time limit."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = [pytest.mark.faults, pytest.mark.cluster]
+SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
+sys.path.insert(0, SCRIPTS)
+from cluster import launch_script, start_task  # noqa: E402
+
+from tfstrat import TFConfig  # noqa: E402
+
+TIMEOUT = 15  # the strategies' `timeout=` in these scripts
+START_UP = 60  # importing TensorFlow and tracing, on a loaded 2-core machine
+
+
+@pytest.mark.timeout(TIMEOUT + START_UP + 60)
+def test_peer_that_never_comes_up_is_named():
+    config = TFConfig.local(workers=2)
+    started = time.monotonic()
+    proc = start_task(config, "worker", 0, "faults_startup.py", str(TIMEOUT))
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT + START_UP + 30)
+    finally:
+        proc.kill()
+    took = time.monotonic() - started
+    assert proc.returncode == -9, out[-3000:]  # the watchdog's SIGKILL: TF holds the GIL
+    assert took < TIMEOUT + 15 + START_UP, took
+    peer = config.addresses("worker")[1]
+    assert f"worker:1 at {peer} did not come up within {TIMEOUT} s" in out, out[-3000:]
+
+
+def _results(out_dir, case):
+    return [json.loads((out_dir / f"{case}_{i}.json").read_text()) for i in range(2)]
+
+
+@pytest.mark.timeout(400)
+def test_a_stop_on_one_worker_stops_every_worker_after_the_same_step(tmp_path):
+    code, out = launch_script("faults_stop.py", str(tmp_path), "batch,epoch,nan")
+    assert code == 0, out[-6000:]
+    # batch: worker 1 alone stops after batch 7; the request rides in step 8's all-reduce.
+    batch = _results(tmp_path, "batch")
+    assert [r["iterations"] for r in batch] == [9, 9], batch
+    assert [r["stop"] for r in batch] == ["requested"] * 2
+    # epoch: worker 0 alone stops at the end of epoch 1 (20 steps per epoch): two epochs.
+    epoch = _results(tmp_path, "epoch")
+    assert [r["epochs"] for r in epoch] == [[0, 1], [0, 1]], epoch
+    assert [r["iterations"] for r in epoch] == [40, 40], epoch
+    # nan: TerminateOnNaN on worker 1 (its rows of batch 5 hold a NaN) stops both workers.
+    nan = _results(tmp_path, "nan")
+    assert nan[0]["iterations"] == nan[1]["iterations"] <= 8, nan
+    assert "RingError" not in out and "different places" not in out, out[-6000:]
+
+
+@pytest.mark.timeout(400)
+def test_sigterm_stops_every_worker_saves_and_exits_143(tmp_path):
+    started = time.monotonic()
+    code, out = launch_script("faults_stop.py", str(tmp_path), "sigterm")
+    took = time.monotonic() - started
+    assert code == 143, out[-6000:]
+    results = _results(tmp_path, "sigterm")
+    # Worker 1 got SIGTERM after batch 6: both stop after step 8 at the latest.
+    assert results[0]["iterations"] == results[1]["iterations"] <= 8, results
+    assert [r["stop"] for r in results] == ["sigterm"] * 2
+    assert os.listdir(tmp_path / "backup"), "BackupAndRestore saved nothing"
+    assert "second SIGTERM" not in out
+    assert took < 300, took
+
+
+@pytest.mark.timeout(120)
+def test_empty_tf_config_is_a_clear_error():
+    env = dict(os.environ, TF_CONFIG="")
+    proc = subprocess.run(
+        [sys.executable, "-c", "import tfstrat; tfstrat.CollectiveAllReduce()"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert proc.returncode != 0
+    assert "TFConfigError: Received: TF_CONFIG='' (set but empty)" in proc.stderr, proc.stderr
+    assert "JSONDecodeError" not in proc.stderr
