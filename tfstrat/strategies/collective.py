@@ -23,7 +23,7 @@ from tfstrat.cluster import TFConfig
 from tfstrat.reduce import ring
 from tfstrat.reduce.collective import SparseAwareAllReduce
 from tfstrat.reduce.sparse import DensityPolicy
-from tfstrat.strategies import _common
+from tfstrat.strategies import _common, _startup, _stopping
 
 logger = logging.getLogger(__name__)
 
@@ -226,12 +226,17 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
         self.density = DensityPolicy(sparse_as_dense)
         self.tf_config = tf_config
         _seed_shuffles()
-        # MWMS.__init__ hard-codes its extended class; this is its body with ours.
-        distribute_lib.Strategy.__init__(
-            self, _Extended(self, resolver, options, count, self.density)
-        )
-        if tcp:
-            self.extended._cross_device_ops.ring = self._connect_ring(timeout or DEFAULT_TIMEOUT)
+        with _startup.watchdog(tf_config, timeout):
+            # MWMS.__init__ hard-codes its extended class; this is its body with ours.
+            distribute_lib.Strategy.__init__(
+                self, _Extended(self, resolver, options, count, self.density)
+            )
+            if tcp:
+                ring_ = self._connect_ring(timeout or DEFAULT_TIMEOUT)
+                self.extended._cross_device_ops.ring = ring_
+        self._stop = None
+        if self.extended._num_workers > 1:
+            self._stop = _stopping.StopAgreement(self._epoch_sum, _task_name(tf_config))
         logger.info(
             "tfstrat: CollectiveAllReduce, worker %d of %d, %d replica(s) in sync, %s, "
             "timeout %s s",
@@ -260,6 +265,15 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
         names = [name for name, _ in tasks]
         return ring.Ring(rank, addresses, listener, timeout, names)
 
+    def _epoch_sum(self, values):
+        """Eager sum of a small float32 array over every worker (the stop agreement's)."""
+        ring_ = self.extended._cross_device_ops.ring
+        if ring_ is not None:
+            return ring_.all_reduce(values)
+        mine = tf.constant(values)
+        summed = self.reduce(_SUM, self.run(lambda: tf.identity(mine)), axis=None)
+        return summed.numpy()
+
     @property
     def num_workers(self) -> int:
         return self.extended._num_workers
@@ -286,9 +300,26 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
 
 
 def _env_config() -> TFConfig | None:
+    """The cluster of `TF_CONFIG`; None when it is unset (this process trains alone)."""
     import os
 
-    return TFConfig.from_env() if os.environ.get("TF_CONFIG") else None
+    if "TF_CONFIG" not in os.environ:
+        return None
+    if not os.environ["TF_CONFIG"].strip():
+        from tfstrat.cluster import TFConfigError
+
+        raise TFConfigError(
+            "Received: TF_CONFIG='' (set but empty). Unset it to train in one process "
+            "(`unset TF_CONFIG`), or set the cluster (`tfstrat tf-config --export`, or "
+            "`tfstrat launch`, which sets it for every task)."
+        )
+    return TFConfig.from_env()
+
+
+def _task_name(tf_config: TFConfig | None) -> str:
+    if tf_config is None or tf_config.task_type is None:
+        return "this worker"
+    return f"{tf_config.task_type}:{tf_config.task_index}"
 
 
 def _use_tcp(communication: str, count: int | None, tf_config: TFConfig | None) -> bool:
