@@ -86,3 +86,21 @@ def test_empty_tf_config_is_a_clear_error():
     assert proc.returncode != 0
     assert "TFConfigError: Received: TF_CONFIG='' (set but empty)" in proc.stderr, proc.stderr
     assert "JSONDecodeError" not in proc.stderr
+
+
+@pytest.mark.timeout(400)
+def test_input_that_cannot_train_is_refused_and_empty_slices_log_exactly(tmp_path):
+    from cluster import run_script
+
+    run_script("faults_input.py", str(tmp_path), "--reference")
+    code, out = launch_script("faults_input.py", str(tmp_path))
+    assert code == 0, out[-6000:]
+    reference = json.loads((tmp_path / "reference.json").read_text())
+    for i in range(2):
+        r = json.loads((tmp_path / f"worker_{i}.json").read_text())
+        assert r["empty"].startswith("ValueError: Received: input with no batches"), r["empty"]
+        assert "fewer rows than the 2 replicas" in r["tiny"] and "batch size >= 2" in r["tiny"]
+        # 33 rows in batches of 16: worker 1's slice of the last batch is empty; the epoch's
+        # logs still equal one device's (they were NaN).
+        for key, value in reference["partial"].items():
+            assert r["partial"][key] == pytest.approx(value, rel=1e-5), (key, r, reference)

@@ -134,4 +134,101 @@ class AdoptsKerasOptimizers:
             _take_over_clipping(optimizer, stop)
         if stop is not None and getattr(fn, "__name__", "") == "train_step":
             stop.attach(model)
+            exact_logs_for_empty_slices(model)
         return super().run(fn, args=args, kwargs=kwargs, options=options)
+
+
+# --- Input that cannot train ------------------------------------------------------------------
+
+
+_EMPTY = (
+    "Received: input with no batches. fit, evaluate and predict need at least one batch: "
+    "check that the arrays or files are not empty, and that a dataset's `.batch(...)` does "
+    "not drop every row (drop_remainder=True with fewer rows than the batch size)."
+)
+
+
+def check_not_empty(dataset) -> None:
+    """Refuses a dataset known to have no batches (cardinality 0) at once."""
+    if tf.executing_eagerly() and int(dataset.cardinality().numpy()) == 0:
+        raise ValueError(_EMPTY)
+
+
+def name_empty_input(distributed):
+    """`distributed` (a DistributedDataset), whose iterators raise a ValueError that says the
+    input is empty where TensorFlow's raise a bare StopIteration at their first `next()`:
+    Keras 3.15 reads one batch to build the model under any strategy, and an empty input
+    (of unknown cardinality, as Keras's NumPy input is) ends `fit` with StopIteration."""
+    if not hasattr(type(distributed), "__iter__"):
+        return distributed
+    dataset_cls = type(distributed)
+
+    def __iter__(self):
+        iterator = dataset_cls.__iter__(self)
+        iterator.__class__ = _named_iterator_class(type(iterator))
+        return iterator
+
+    distributed.__class__ = type(dataset_cls.__name__, (dataset_cls,), {"__iter__": __iter__})
+    return distributed
+
+
+_iterator_classes: dict[type, type] = {}
+
+
+def _named_iterator_class(cls: type) -> type:
+    if cls not in _iterator_classes:
+
+        def __next__(self):
+            try:
+                element = cls.__next__(self)
+            except StopIteration:
+                if getattr(self, "_tfstrat_seen", False):
+                    raise
+                raise ValueError(_EMPTY) from None
+            self._tfstrat_seen = True
+            return element
+
+        _iterator_classes[cls] = type(cls.__name__, (cls,), {"__next__": __next__})
+    return _iterator_classes[cls]
+
+
+def refuse_batches_smaller_than(dataset, replicas: int):
+    """`dataset`, failing with a clear error when its first batch (of each pass) has fewer
+    rows than there are replicas: a replica with no rows would put NaN in the logs, and the
+    gradient would be scaled as if every replica had rows. Later, smaller batches (the last
+    partial batch of an epoch) are fine."""
+
+    def check(largest, element):
+        n = tf.shape(tf.nest.flatten(element)[0], out_type=tf.int64)[0]
+        largest = tf.maximum(largest, n)
+        ok = tf.debugging.assert_greater_equal(
+            largest,
+            tf.constant(replicas, tf.int64),
+            message=(
+                f"tfstrat: the global batch has fewer rows than the {replicas} replicas in sync "
+                f"(each replica needs at least one row). Use a batch size >= {replicas} "
+                "(fit's batch_size is the global batch). Rows in this batch:"
+            ),
+        )
+        with tf.control_dependencies([ok]):
+            return largest, tf.nest.map_structure(tf.identity, element)
+
+    return dataset.scan(tf.constant(0, tf.int64), check)
+
+
+def exact_logs_for_empty_slices(model) -> None:
+    """A replica whose slice of a (last, partial) batch is empty computes a loss of 0/0 = NaN,
+    and Keras 3.15's loss tracker adds NaN x 0 rows: the epoch's loss would be NaN on every
+    worker. Such a replica adds nothing instead (its gradient is zero anyway)."""
+    tracker = getattr(model, "_loss_tracker", None)
+    if tracker is None or getattr(tracker, "_tfstrat_exact", False):
+        return
+    update = tracker.update_state
+
+    def update_state(values, sample_weight=None):
+        if sample_weight is not None:
+            values = tf.where(tf.equal(sample_weight, 0), tf.zeros_like(values), values)
+        return update(values, sample_weight=sample_weight)
+
+    tracker.update_state = update_state
+    tracker._tfstrat_exact = True

@@ -90,6 +90,10 @@ class _Extended(_cars.CollectiveAllReduceExtended):
         )
 
     def _experimental_distribute_dataset(self, dataset, options):
+        _common.check_not_empty(dataset)
+        return _common.name_empty_input(self._distribute(dataset, options))
+
+    def _distribute(self, dataset, options):
         """Worker w takes rows [w*n//W, (w+1)*n//W) of every global batch of n rows.
 
         Every worker sees the same number of batches, so no per-step cross-worker check for
@@ -122,7 +126,8 @@ class _Extended(_cars.CollectiveAllReduceExtended):
         data_options.experimental_distribute.auto_shard_policy = (
             tf.data.experimental.AutoShardPolicy.OFF
         )
-        sliced = dataset.map(take).with_options(data_options)
+        checked = _common.refuse_batches_smaller_than(dataset, workers)
+        sliced = checked.map(take).with_options(data_options)
         saved = self.experimental_enable_get_next_as_optional
         self.experimental_enable_get_next_as_optional = False
         try:  # num_replicas_in_sync=None: no rebatch

@@ -77,3 +77,8 @@ class MirroredNCCL(_common.AdoptsKerasOptimizers, tf.distribute.MirroredStrategy
             list(devices),
             implementation.name.lower(),
         )
+
+    def experimental_distribute_dataset(self, dataset, options=None):
+        _common.check_not_empty(dataset)  # else a bare StopIteration from Keras's first next()
+        distributed = super().experimental_distribute_dataset(dataset, options)
+        return _common.name_empty_input(distributed)
