@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import socket
+import sys
+import threading
 import time
 
 import tensorflow as tf
@@ -55,3 +58,92 @@ def connect(tf_config: TFConfig, timeout: float) -> str:
         resolver, job_name=task_type, task_index=index, make_master_device_default=False
     )
     return f"/job:{task_type}/replica:0/task:{index}/device:CPU:0"
+
+
+# TensorFlow's worker service, served by every task's gRPC server (also by a plain
+# `tf.distribute.Server`): an empty request asks for the task's devices, a cheap answer. A
+# stopped ps (SIGSTOP) accepts the connection but never answers: the call hits its deadline.
+_STATUS_METHOD = "/tensorflow.WorkerService/GetStatus"
+EXIT_PS_LOST = 1
+
+
+def task_name(tf_config: TFConfig, worker: int | None = None) -> str:
+    """'chief', 'worker:N' or 'worker:0 (the chief)' for a worker index (default: this task)."""
+    has_chief = bool(tf_config.addresses("chief"))
+    if worker is None:
+        return (
+            "chief"
+            if tf_config.task_type == "chief"
+            else _worker_label(tf_config.task_index, has_chief)
+        )
+    if has_chief:
+        return "chief" if worker == 0 else f"worker:{worker - 1}"
+    return _worker_label(worker, has_chief)
+
+
+def _worker_label(index: int, has_chief: bool) -> str:
+    return f"worker:{index}" + (" (the chief)" if index == 0 and not has_chief else "")
+
+
+class Heartbeat:
+    """Asks every ps task for its status on a daemon thread; ends the process when one has not
+    answered for `timeout` seconds.
+
+    Remote eager ops on a ps have no deadline (DESIGN.md fact 18): a ps that is alive but
+    silent (SIGSTOP, a frozen host, a partition that drops packets) leaves the main thread
+    blocked inside TensorFlow forever, where no Python exception can reach it. A TCP connect
+    would not notice (the kernel accepts connections for a stopped process); an RPC with a
+    deadline does. The process then exits with `EXIT_PS_LOST` after printing one line that
+    names the ps task.
+    """
+
+    def __init__(self, tf_config: TFConfig, timeout: float, interval: float | None = None):
+        self.addresses = list(tf_config.addresses("ps"))
+        self.me = task_name(tf_config)
+        self.timeout = float(timeout)
+        self.interval = interval if interval is not None else min(5.0, self.timeout / 4)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tfstrat-ps-heartbeat", daemon=True)
+
+    def start(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self):
+        import grpc
+
+        channels = [grpc.insecure_channel(a) for a in self.addresses]
+        calls = [c.unary_unary(_STATUS_METHOD) for c in channels]  # raw bytes in and out
+        last_ok = [time.monotonic()] * len(calls)
+        while not self._stop.wait(self.interval):
+            # Probes run at once, so one silent ps does not delay the others' answers.
+            futures = [call.future(b"", timeout=max(self.interval, 0.5)) for call in calls]
+            for index, future in enumerate(futures):
+                try:
+                    future.result()
+                    last_ok[index] = time.monotonic()
+                except grpc.RpcError as e:
+                    silent = time.monotonic() - last_ok[index]
+                    if silent >= self.timeout and not self._stop.is_set():
+                        self._fail(index, silent, e)
+
+    def _fail(self, index: int, silent: float, error) -> None:
+        import grpc
+
+        if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            what = "it accepts connections but does not answer (stopped, hung or cut off)"
+        else:
+            details = (error.details() or str(error.code())).splitlines()[0]
+            what = f"it cannot be reached: {details}"
+        print(
+            f"tfstrat: {self.me} lost ps:{index} at {self.addresses[index]}: no answer for "
+            f"{silent:.0f} s (timeout={self.timeout:g}); {what}. Exiting with code "
+            f"{EXIT_PS_LOST} instead of waiting forever.",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.stdout.flush()
+        os._exit(EXIT_PS_LOST)

@@ -10,11 +10,12 @@ part of a partitioned table (`pinned`) or an optimizer slot (placed with its var
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import tensorflow as tf
@@ -99,6 +100,54 @@ def wait_initialized(variable: tf.Variable, timeout: float, who: str) -> None:
             raise TimeoutError(
                 f"Waited {timeout:g} s for {who} to initialise variable {variable.name!r} on "
                 f"{variable.device}. Is the chief running the same model code, and alive?"
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 0.2)
+
+
+def resource_shape(variable: tf.Variable) -> tf.TensorShape:
+    """The shape of the resource on the ps, whatever the handle declares (DESIGN.md fact 19)."""
+    with tf.device(variable.device):
+        return tf.TensorShape(gen_rv.variable_shape(variable.handle, out_type=tf.int64).numpy())
+
+
+def _slot(key: str, index: int, strategy) -> tf.Variable:
+    return shared_variable(f"{key}/{index}", [], tf.string, ps_device(0), strategy=strategy)
+
+
+def publish(key: str, index: int, payload: dict, strategy=None) -> None:
+    """Writes task `index`'s `payload` (JSON) under `key` on ps 0, for the others to read."""
+    _slot(key, index, strategy).assign(json.dumps(payload), read_value=False)
+
+
+def read_published(
+    key: str,
+    indices: list[int],
+    timeout: float,
+    name: Callable[[int], str],
+    where: str,
+    what: str,
+    strategy=None,
+) -> Iterator[tuple[int, dict]]:
+    """Yields `(index, payload)` for each of `indices` as it is published under `key`.
+
+    Raises:
+        TimeoutError: after `timeout` seconds, naming the first task that never published.
+    """
+    slots = {i: _slot(key, i, strategy) for i in indices}
+    deadline, pause = time.monotonic() + timeout, 0.005
+    while slots:
+        for index, slot in list(slots.items()):
+            if is_initialized(slot):
+                del slots[index]
+                yield index, json.loads(slot.read_value().numpy())
+        if not slots:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"tfstrat: waited {timeout:g} s for {name(min(slots))} to publish its {what} on "
+                f"{where}. Is it running, with the same TF_CONFIG cluster and model code? (See "
+                "its log; a task whose TF_CONFIG names other ps tasks publishes elsewhere.)"
             )
         time.sleep(pause)
         pause = min(pause * 2, 0.2)
