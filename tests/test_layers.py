@@ -1,6 +1,7 @@
 """tfstrat.keras.layers.Embedding outside any strategy: a drop-in for keras.layers.Embedding."""
 
 import numpy as np
+import pytest
 
 
 def _model(layer_cls):
@@ -50,3 +51,57 @@ def test_part_bounds_match_embedding_lookup_div_strategy():
 
     assert part_bounds(10, 3) == [(0, 4), (4, 7), (7, 10)]
     assert part_bounds(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+
+
+@pytest.mark.faults
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+def test_a_ps_held_table_saves_its_optimizer_slots_where_a_stock_model_does_not_look(tmp_path):
+    """A table on a real ps task (`tfstrat server`), attached to the layer as Hybrid attaches
+    it, saves its Adagrad accumulator beside the layer's weights: the file still loads into a
+    stock model, and loading it into ours writes table and slots back to the ps."""
+    import os
+    import subprocess
+    import sys
+    import types
+
+    import keras
+    import tensorflow as tf
+
+    from tfstrat.cluster import TFConfig, _free_port_pairs
+    from tfstrat.keras.layers import Embedding
+    from tfstrat.ps.connect import wait_for_ps
+    from tfstrat.ps.remote import RemoteTable, TableClients
+
+    ps, worker = (f"127.0.0.1:{p}" for p in _free_port_pairs(2))  # tables on port + 1
+    config = TFConfig({"ps": [ps], "worker": [worker]}, "ps", 0)
+    env = dict(os.environ, **config.to_env())
+    server = subprocess.Popen([sys.executable, "-m", "tfstrat", "server"], env=env)
+    try:
+        wait_for_ps(config, 60, port_offset=1)
+        clients = TableClients([ps], timeout=60, worker=0)
+        init = {"initializer": keras.initializers.serialize(keras.initializers.Ones())}
+        table = RemoteTable(clients, "embedding", 50, 3, [(0, 0, 0, 25), (0, 1, 25, 50)], 1, init)
+        hyper = tf.constant([1.0, 0.5, 0.9, 0.999, 1e-7, 0.1])  # Adagrad, lr 0.5
+        table.push(tf.constant([1, 30], tf.int64), tf.ones([2, 3]), tf.constant(0, tf.int64), hyper)
+
+        ours, stock = _model(Embedding), _model(keras.layers.Embedding)
+        layer = ours.layers[1]
+        layer._remote, layer._strategy = table, types.SimpleNamespace(_optimizer=None)
+        expected_table, expected_slots = table.numpy(), table.slots({"accumulator": 0.1})
+        assert sorted(expected_slots) == ["accumulator"]
+        np.testing.assert_allclose(expected_slots["accumulator"][[1, 30, 2], 0], [1.1, 1.1, 0.1])
+        ours.save_weights(tmp_path / "ps.weights.h5")
+
+        stock.load_weights(tmp_path / "ps.weights.h5")  # the slots' group is not read
+        np.testing.assert_array_equal(stock.layers[1].embeddings.numpy(), expected_table)
+
+        table.assign(np.zeros((50, 3), "float32"))
+        table.assign_slots({"accumulator": np.zeros((50, 3), "float32")})
+        ours.load_weights(tmp_path / "ps.weights.h5")
+        np.testing.assert_array_equal(table.numpy(), expected_table)
+        restored = table.slots({})["accumulator"]
+        np.testing.assert_array_equal(restored, expected_slots["accumulator"])
+    finally:
+        server.kill()
+        server.wait()

@@ -4,14 +4,18 @@ Usage: python faults_resume_run.py OUT STRATEGY PHASE OPT:STOP [OPT:STOP ...]
     STRATEGY: collective | ps | hybrid
     PHASE first: for each OPT, an uninterrupted fit (the chief saves OUT/full-OPT.weights.h5),
         then a fit with BackupAndRestore(OUT/backup/OPT) that STOP interrupts:
-          sigterm  mid-epoch 1 (after batch 4), as a tfstrat strategy stops on SIGTERM:
-                   model._tfstrat_stop = "sigterm" and stop_training; the next OPT follows
-          crash    every worker raises after epoch 0's backup; the next OPT follows
-          kill     the chief SIGKILLs itself while it writes the metadata of epoch 1's backup
-                   (the weights are written, a half-written metadata temporary is left); last
+          crash      every worker raises after epoch 0's backup; the next OPT follows
+          crash-mid  backups every 5 batches (save_freq=5); every worker raises after batch 7
+                     of epoch 1 (the backup: epoch 1, 5 batches done); the next OPT follows
+          sigterm    the chief sends itself SIGTERM after batch 3 of epoch 1: every worker
+                     stops after batch 4, saves, exits 143 (the strategy's SIGTERM stop); last
+          kill       the chief SIGKILLs itself while it writes the metadata of epoch 1's
+                     backup (the weights are written, a half-written metadata temporary is
+                     left); last
     PHASE resume: for each OPT, a fresh model fits with BackupAndRestore(OUT/backup/OPT) to the
         end; the chief saves OUT/resumed-OPT.weights.h5
-Every worker writes OUT/<PHASE>-<task>.json: per OPT, the (epoch, batches) it trained.
+After a resume, every worker writes OUT/resumed-<task>.json: per OPT, the (epoch, batches) it
+trained.
 Three epochs of 10 steps (240 examples, global batch 24), `shuffle=True`.
 """
 
@@ -19,6 +23,8 @@ import json
 import os
 import signal
 import sys
+
+import numpy as np
 
 out, kind, phase = sys.argv[1], sys.argv[2], sys.argv[3]
 plan = [item.split(":") for item in sys.argv[4:]]
@@ -44,12 +50,14 @@ chief = task == "worker0"
 x, y = data(BATCH * 10)
 
 
-def build():
+def build(stock=False):
     keras.utils.set_random_seed(7)
     inputs = keras.Input((SEQ,), dtype="int32")
     # A seeded initializer: a ps-held table is drawn on the ps, from the initializer's seed.
     init = keras.initializers.RandomUniform(-0.05, 0.05, seed=3)
-    h = Embedding(VOCAB, 8, embeddings_initializer=init)(inputs)
+    h = (keras.layers.Embedding if stock else Embedding)(VOCAB, 8, embeddings_initializer=init)(
+        inputs
+    )
     h = keras.layers.Conv1D(8, 3, activation="relu")(h)
     h = keras.layers.Dense(16, activation="relu")(keras.layers.Flatten()(h))
     return keras.Model(inputs, keras.layers.Dense(CLASSES)(h))
@@ -69,18 +77,24 @@ class Seen(keras.callbacks.Callback):
         self.epochs[-1][1] += 1
 
 
-class SigtermStop(keras.callbacks.Callback):
-    """What a tfstrat strategy does on SIGTERM, before the step's on_train_batch_end."""
-
+class Sigterm(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
-        if self.params and len(seen.epochs) == 2 and batch == 4:
-            self.model._tfstrat_stop = "sigterm"
-            self.model.stop_training = True
+        if len(seen.epochs) == 2 and batch == 3 and chief:
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 class Crash(keras.callbacks.Callback):
+    def __init__(self, epoch, batch=None):
+        super().__init__()
+        self.at = (epoch, batch)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (len(seen.epochs) - 1, batch) == self.at:
+            raise RuntimeError(f"crash at {self.at}")
+
     def on_epoch_end(self, epoch, logs=None):
-        raise RuntimeError("crash after the backup of epoch 0")
+        if (epoch, None) == self.at:
+            raise RuntimeError(f"crash at {self.at}")
 
 
 class KillWhileWritingMetadata(tfcallbacks.BackupAndRestore):
@@ -92,18 +106,25 @@ class KillWhileWritingMetadata(tfcallbacks.BackupAndRestore):
         super()._write_metadata(metadata)
 
 
-def fit(name, backup, extra=(), backup_class=tfcallbacks.BackupAndRestore):
+def fit(name, backup, stop=None):
     global seen
     with strategy.scope():
         model = compile_model(build(), optimizer(name))
     seen = Seen()
-    stops = [c for c in extra if isinstance(c, SigtermStop)]
-    after = [c for c in extra if not isinstance(c, SigtermStop)]
-    callbacks = [seen, *stops, backup_class(backup), *after]
+    backup_class, kwargs, extra = tfcallbacks.BackupAndRestore, {}, []
+    if stop == "kill" and chief:
+        backup_class = KillWhileWritingMetadata
+    elif stop == "sigterm":
+        extra = [Sigterm()]
+    elif stop == "crash":
+        extra = [Crash(0)]
+    elif stop == "crash-mid":
+        kwargs, extra = {"save_freq": 5}, [Crash(1, 7)]
+    callbacks = [seen, backup_class(backup, **kwargs), *extra]
     try:
         model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, verbose=0, callbacks=callbacks)
     except RuntimeError as e:
-        if "crash after the backup" not in str(e):
+        if not str(e).startswith("crash at"):
             raise
     return model
 
@@ -121,16 +142,19 @@ for name, stop in plan:
     if phase == "first":
         model = fit(name, os.path.join(out, "full", name))
         save(model, f"full-{name}")
-        trained[f"full-{name}"] = seen.epochs
-        if stop == "kill" and chief:
-            fit(name, backup, backup_class=KillWhileWritingMetadata)
-        else:
-            fit(name, backup, [{"sigterm": SigtermStop, "crash": Crash, "kill": Seen}[stop]()])
-        trained[name] = seen.epochs
+        fit(name, backup, stop)  # sigterm and kill end this process
     else:
         model = fit(name, backup)
         save(model, f"resumed-{name}")
         trained[name] = seen.epochs
-with open(os.path.join(out, f"{phase}-{task}.json"), "w") as f:
-    json.dump(trained, f)
+        if chief:  # the checkpoint loads into a plain Keras model, tables and all
+            stock = build(stock=True)
+            stock.load_weights(os.path.join(out, f"resumed-{name}.weights.h5"))
+            table = model.layers[1].embeddings.numpy()
+            trained[f"stock-{name}"] = float(
+                np.abs(stock.layers[1].embeddings.numpy() - table).max()
+            )
+if phase == "resume":
+    with open(os.path.join(out, f"resumed-{task}.json"), "w") as f:
+        json.dump(trained, f)
 print("done", flush=True)

@@ -299,13 +299,20 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
                 continue
             if damaged:
                 logger.warning("tfstrat: restored the previous backup %s instead", weights)
+                if _is_chief(self.model):  # else the next backup would keep it as "previous"
+                    for path in pairs[0]:
+                        _unlink(path)
             return state
         if damaged:
+            keep = (
+                "(double_checkpoint=True: the previous backup is missing or damaged too)"
+                if self.double_checkpoint
+                else "or use BackupAndRestore(double_checkpoint=True) to keep a previous backup "
+                "to fall back to"
+            )
             raise ValueError(
                 f"Received: a damaged backup in backup_dir={self.backup_dir!r}: "
-                f"{'; '.join(damaged)}. Remove the directory to train from the start, or use "
-                "BackupAndRestore(double_checkpoint=True) to keep a previous backup to fall "
-                "back to."
+                f"{'; '.join(damaged)}. Remove the directory to train from the start {keep}."
             )
         return None
 
@@ -313,7 +320,17 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         optimizer = self.model.optimizer
         if optimizer is not None and not optimizer.built:  # its variables must exist to load
             optimizer.build(self.model.trainable_variables)
-        self.model.load_weights(path)
+        if path.endswith(".weights.h5"):
+            return self.model.load_weights(path)
+        # Keras reads weights only from a name ending in .weights.h5 (the previous backup's
+        # ends in .bkp): through a link with that name, outside the chief's directory.
+        directory = tempfile.mkdtemp(prefix="tfstrat-restore-")
+        try:
+            link = os.path.join(directory, "previous.weights.h5")
+            os.symlink(os.path.abspath(path), link)
+            self.model.load_weights(link)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
 
     # -- saving ------------------------------------------------------------------------------
 
@@ -345,7 +362,9 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
 
     def on_train_end(self, logs=None):
         self._end_resumed_epoch()
-        if _is_chief(self.model) and not self._stopped:
+        # SIGTERM agreed at an epoch's end stops after that epoch's (complete) backup: keep it.
+        stopped = self._stopped or getattr(self.model, "_tfstrat_stop", None) == "sigterm"
+        if _is_chief(self.model) and not stopped:
             super().on_train_end(logs)
         self._scratch.remove()
 
