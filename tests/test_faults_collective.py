@@ -104,3 +104,23 @@ def test_input_that_cannot_train_is_refused_and_empty_slices_log_exactly(tmp_pat
         # logs still equal one device's (they were NaN).
         for key, value in reference["partial"].items():
             assert r["partial"][key] == pytest.approx(value, rel=1e-5), (key, r, reference)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("case", ["model", "options"])
+def test_workers_that_disagree_all_fail_naming_the_difference(case):
+    started = time.monotonic()
+    code, out = launch_script("faults_agree.py", case)
+    took = time.monotonic() - started
+    assert code == 1, out[-6000:]
+    assert "trained, which it must not" not in out
+    expected = {
+        # Found as the kernel is created (its initial value is broadcast from the chief).
+        "model": "creating variable 'kernel': another worker created a variable of another "
+        "shape",
+        "options": "worker:1",
+    }[case]
+    for task in ("worker:0", "worker:1"):
+        lines = [line for line in out.splitlines() if line.startswith(f"[{task}] ")]
+        assert any("AgreementError" in line and expected in line for line in lines), out[-6000:]
+    assert took < TIMEOUT + 15 + START_UP + 60, took

@@ -59,6 +59,8 @@ class StopAgreement:
         self.sigterms = 0
         self.in_fit = False
         self._history = None
+        #: Called once before the next step (the model agreement without tfstrat's ring).
+        self.before_next_step = None
         _SigtermWatch.install(self)
 
     # -- in the step ----------------------------------------------------------------------
@@ -96,6 +98,9 @@ class StopAgreement:
     def _before_step(self, model):
         if model.history is not self._history:  # a new fit: a new History callback
             self._new_fit(model)
+        if self.before_next_step is not None:
+            call, self.before_next_step = self.before_next_step, None
+            call()
         if self.sigterms:
             self._ask(_SIGTERM)
 

@@ -13,12 +13,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.distribute import collective_all_reduce_strategy as _cars
 from tensorflow.python.distribute import cross_device_utils, distribute_lib, input_util
 from tensorflow.python.distribute import values as _values
 from tensorflow.python.util import nest
 
+from tfstrat import _agreement
 from tfstrat.cluster import TFConfig
 from tfstrat.reduce import ring
 from tfstrat.reduce.collective import SparseAwareAllReduce
@@ -142,6 +144,22 @@ class _Extended(_cars.CollectiveAllReduceExtended):
         finally:
             self.experimental_enable_get_next_as_optional = saved
 
+    def _create_variable(self, next_creator, **kwargs):
+        """A variable's initial value is broadcast from the chief as it is created; workers
+        that build different models fail there, in TensorFlow's words. Say it in ours too."""
+        try:
+            return super()._create_variable(next_creator, **kwargs)
+        except tf.errors.InvalidArgumentError as e:
+            if "Shape mismatch" not in str(e):
+                raise
+            detail = str(e).split("Shape mismatch", 1)[1].split(". This is", 1)[0]
+            raise _agreement.AgreementError(
+                f"tfstrat: worker {self._id_in_cluster} creating variable "
+                f"{kwargs.get('name')!r}: another worker created a variable of another shape "
+                f"at the same place (shape mismatch{detail}). Run the same model code on "
+                "every task."
+            ) from e
+
     def _reduce_to(self, reduce_op, value, destinations, options):
         if nest.is_nested(value):  # stock MWMS hands the whole structure to one collective
             return nest.map_structure(
@@ -205,6 +223,7 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
         pack_bytes: int | None = None,
         sparse_as_dense: str | float | bool = "auto",
         timeout: float | None = DEFAULT_TIMEOUT,
+        _agree_on: dict | None = None,
     ):
         tf_config = tf_config if tf_config is not None else _env_config()
         resolver = tf_config.resolver() if tf_config else None
@@ -240,8 +259,18 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
                 ring_ = self._connect_ring(timeout or DEFAULT_TIMEOUT)
                 self.extended._cross_device_ops.ring = ring_
         self._stop = None
+        self._agreed_models: set[int] = set()
+        self._agreement_options = {
+            "strategy": type(self).__name__,
+            "communication": communication,
+            "devices": count or 0,
+            "pack_bytes": pack_bytes or 0,
+            "sparse_as_dense": str(sparse_as_dense),
+            **(_agree_on or {}),
+        }
         if self.extended._num_workers > 1:
             self._stop = _stopping.StopAgreement(self._epoch_sum, _task_name(tf_config))
+            self._agree(_agreement.describe(tf_config, (), self._agreement_options))
         logger.info(
             "tfstrat: CollectiveAllReduce, worker %d of %d, %d replica(s) in sync, %s, "
             "timeout %s s",
@@ -269,6 +298,61 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
         addresses = [f"{host}:{ports[i]}" for i, (_, host) in enumerate(tasks)]
         names = [name for name, _ in tasks]
         return ring.Ring(rank, addresses, listener, timeout, names)
+
+    # -- agreement: every worker runs the same cluster, options and model ------------------
+
+    def _all_gather_bytes(self, payload: bytes) -> list[bytes]:
+        """Every worker's `payload`, by rank (eager; tfstrat's ring, else TF's collectives)."""
+        ring_ = self.extended._cross_device_ops.ring
+        if ring_ is not None:
+            lengths = ring_.all_gather(np.array([[len(payload)]], np.int64))[:, 0]
+            padded = np.zeros((1, int(lengths.max())), np.uint8)
+            padded[0, : len(payload)] = np.frombuffer(payload, np.uint8)
+            rows = ring_.all_gather(padded)
+        else:
+            gather = lambda t: self.experimental_local_results(  # noqa: E731
+                self.run(lambda: tf.distribute.get_replica_context().all_gather(t, 0))
+            )[0].numpy()
+            local = len(self.extended.worker_devices)
+            lengths = gather(tf.constant([[len(payload)]], tf.int32))[::local, 0]
+            padded = np.zeros((1, int(lengths.max())), np.int32)
+            padded[0, : len(payload)] = np.frombuffer(payload, np.uint8)
+            rows = gather(tf.constant(padded))[::local]
+        return [bytes(r[:n].astype(np.uint8)) for r, n in zip(rows, lengths)]
+
+    def _agree(self, desc: dict) -> None:
+        """Fails every worker alike, naming the first difference from the chief's (rank 0)."""
+        import json
+
+        tasks = [
+            f"{job}:{i}"
+            for job in ("chief", "worker")
+            for i in range(len(self.tf_config.addresses(job)))
+        ]
+        if len(tasks) > 1:
+            tasks[0] += " (the chief)"
+        everyone = [json.loads(b) for b in self._all_gather_bytes(json.dumps(desc).encode())]
+        for rank, theirs in enumerate(everyone):
+            diff = _agreement.first_difference(theirs, everyone[0], tasks[rank], tasks[0])
+            if diff:
+                raise _agreement.AgreementError(f"tfstrat: {diff}")
+
+    def _agree_on_model(self, model) -> None:
+        """Before a model's first step: its variables (name, shape, dtype, in order)."""
+        if self._stop is None or id(model) in self._agreed_models:
+            return
+        self._agreed_models.add(id(model))
+        self._agree(_agreement.describe(self.tf_config, model.weights, self._agreement_options))
+
+    def run(self, fn, args=(), kwargs=None, options=None):
+        model = getattr(fn, "__self__", None)
+        ring_ = self.extended._cross_device_ops.ring
+        if getattr(fn, "__name__", "") == "train_step" and hasattr(model, "weights"):
+            if ring_ is not None:  # plain Python sockets: fine while the step is traced
+                self._agree_on_model(model)
+            elif self._stop is not None:  # TF's collectives run eagerly before step 2
+                self._stop.before_next_step = lambda: self._agree_on_model(model)
+        return super().run(fn, args=args, kwargs=kwargs, options=options)
 
     def _epoch_sum(self, values):
         """Eager sum of a small float32 array over every worker (the stop agreement's)."""

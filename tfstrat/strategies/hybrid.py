@@ -74,6 +74,7 @@ class Hybrid(CollectiveAllReduce):
             communication=communication,
             sparse_as_dense=sparse_as_dense,
             timeout=timeout,
+            _agree_on={"ps": list(ps), "sparse": sparse, "partitions": partitions},
         )
         self.ps_addresses = ps
         self.sparse = sparse
