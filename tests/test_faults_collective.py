@@ -124,3 +124,39 @@ def test_workers_that_disagree_all_fail_naming_the_difference(case):
         lines = [line for line in out.splitlines() if line.startswith(f"[{task}] ")]
         assert any("AgreementError" in line and expected in line for line in lines), out[-6000:]
     assert took < TIMEOUT + 15 + START_UP + 60, took
+
+
+@pytest.mark.timeout(400)
+def test_hybrid_workers_name_a_ps_that_died():
+    config = TFConfig.local(workers=2, ps=1)
+    ps = start_task(config, "ps", 0, "-m", "tfstrat", "server")
+    workers = [start_task(config, "worker", i, "faults_hybrid_ps.py") for i in range(2)]
+    try:
+        outs = [w.communicate(timeout=300)[0] for w in workers]
+    finally:
+        for p in (ps, *workers):
+            p.kill()
+    table = config.addresses("ps")[0].rsplit(":", 1)[0]
+    for w, out in zip(workers, outs):
+        assert w.returncode not in (0, None), out[-3000:]
+        assert "must not" not in out
+        # Was: "Connection reset by peer (at emb/RpcGetValue)", naming no task.
+        assert f"on ps:0 (table server at {table}:" in out, out[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_a_ps_whose_table_port_is_taken_fails_at_start_naming_it():
+    import socket
+
+    config = TFConfig.local(workers=1, ps=1)
+    host, port = config.addresses("ps")[0].rsplit(":", 1)
+    with socket.socket() as taken:
+        taken.bind((host, int(port) + 1))
+        taken.listen(1)
+        proc = start_task(config, "ps", 0, "-m", "tfstrat", "server")
+        try:
+            out, _ = proc.communicate(timeout=100)
+        finally:
+            proc.kill()
+    assert proc.returncode == 1, out[-3000:]
+    assert f"ps:0 table server (the ps port + 1) cannot listen on port {int(port) + 1}" in out

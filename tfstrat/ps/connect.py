@@ -23,10 +23,12 @@ def wait_for_ps(tf_config: TFConfig, timeout: float, port_offset: int = 0) -> No
     `port_offset=1` waits for the ps tasks' table servers (Hybrid) instead.
     """
     deadline = time.monotonic() + timeout
-    for index, address in enumerate(tf_config.addresses("ps")):
+    for index, declared in enumerate(tf_config.addresses("ps")):
+        address, where = declared, declared
         if port_offset:
-            host, port = address.rsplit(":", 1)
+            host, port = declared.rsplit(":", 1)
             address = f"{host}:{int(port) + port_offset}"
+            where = f"{address} (its table server: the TF_CONFIG port {port} + {port_offset})"
         host, port = address.rsplit(":", 1)
         while True:
             try:
@@ -35,7 +37,7 @@ def wait_for_ps(tf_config: TFConfig, timeout: float, port_offset: int = 0) -> No
             except OSError as e:
                 if time.monotonic() > deadline:
                     raise TimeoutError(
-                        f"Could not reach ps:{index} at {address} within {timeout:g} s ({e}). "
+                        f"Could not reach ps:{index} at {where} within {timeout:g} s ({e}). "
                         "Is the ps task running (`tfstrat launch --ps N` or `tfstrat server`), "
                         "and is its address in TF_CONFIG right?"
                     ) from None

@@ -36,7 +36,10 @@ class TableClients:
         ]
 
     def call(self, ps: int, method: str, args, out: tf.TensorSpec):
-        return self.clients[ps].call(method, args, output_specs=out, timeout_in_ms=self.timeout_ms)
+        future = self.clients[ps].call(
+            method, args, output_specs=out, timeout_in_ms=self.timeout_ms
+        )
+        return _Named(future, f"{method} on ps:{ps} (table server at {self.addresses[ps]})")
 
     def put_meta(self, key: int, value: int) -> None:
         args = [tf.constant(key, tf.int64), tf.constant(value, tf.int64)]
@@ -56,6 +59,23 @@ class TableClients:
                 )
             time.sleep(pause)
             pause = min(2 * pause, 0.5)
+
+
+class _Named:
+    """An RPC's future whose failure names the ps task: TensorFlow's own error says only
+    "Connection reset by peer (at emb/RpcGetValue)" or "Deadline Exceeded"."""
+
+    def __init__(self, future, what: str):
+        self._future, self._what = future, what
+
+    def get_value(self):
+        code, message = self._future.get_error()
+        check = tf.debugging.Assert(
+            tf.equal(code, 0),
+            [f"tfstrat: {self._what} failed (the ps task's TF_CONFIG port is one less):", message],
+        )
+        with tf.control_dependencies([check]):
+            return self._future.get_value()
 
 
 _I64 = tf.TensorSpec([], tf.int64)
