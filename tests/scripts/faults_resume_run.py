@@ -106,10 +106,14 @@ class KillWhileWritingMetadata(tfcallbacks.BackupAndRestore):
         super()._write_metadata(metadata)
 
 
+models = []  # kept alive: ParameterServer's start-up agreement remembers models by id()
+
+
 def fit(name, backup, stop=None):
     global seen
     with strategy.scope():
         model = compile_model(build(), optimizer(name))
+    models.append(model)
     seen = Seen()
     backup_class, kwargs, extra = tfcallbacks.BackupAndRestore, {}, []
     if stop == "kill" and chief:
@@ -136,7 +140,7 @@ def save(model, name):
     model.save_weights(path)
 
 
-trained = {}
+trained, tables = {}, {}
 for name, stop in plan:
     backup = os.path.join(out, "backup", name)
     if phase == "first":
@@ -147,13 +151,15 @@ for name, stop in plan:
         model = fit(name, backup)
         save(model, f"resumed-{name}")
         trained[name] = seen.epochs
-        if chief:  # the checkpoint loads into a plain Keras model, tables and all
-            stock = build(stock=True)
-            stock.load_weights(os.path.join(out, f"resumed-{name}.weights.h5"))
-            table = model.layers[1].embeddings.numpy()
-            trained[f"stock-{name}"] = float(
-                np.abs(stock.layers[1].embeddings.numpy() - table).max()
-            )
+        tables[name] = model.layers[1].embeddings.numpy()
+# After every fit: ParameterServer names shared variables after Keras's layer names, which a
+# layer made by the chief alone would shift.
+for name in tables if chief else ():  # the checkpoint loads into a plain Keras model
+    stock = build(stock=True)
+    stock.load_weights(os.path.join(out, f"resumed-{name}.weights.h5"))
+    trained[f"stock-{name}"] = float(
+        np.abs(stock.layers[1].embeddings.numpy() - tables[name]).max()
+    )
 if phase == "resume":
     with open(os.path.join(out, f"resumed-{task}.json"), "w") as f:
         json.dump(trained, f)
