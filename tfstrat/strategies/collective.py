@@ -11,6 +11,7 @@ drops the per-step check by giving every worker a slice of every global batch. I
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -249,6 +250,9 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
         )
         self.density = DensityPolicy(sparse_as_dense)
         self.tf_config = tf_config
+        import faulthandler
+
+        faulthandler.enable()  # a worker that crashes (SIGSEGV) prints its Python stacks
         _seed_shuffles()
         with _startup.watchdog(tf_config, timeout):
             # MWMS.__init__ hard-codes its extended class; this is its body with ours.
@@ -259,7 +263,8 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
                 ring_ = self._connect_ring(timeout or DEFAULT_TIMEOUT)
                 self.extended._cross_device_ops.ring = ring_
         self._stop = None
-        self._agreed_models: set[int] = set()
+        # Models, not ids: a new model can reuse a collected one's id on one worker only.
+        self._agreed_models = weakref.WeakSet()
         self._agreement_options = {
             "strategy": type(self).__name__,
             "communication": communication,
@@ -339,9 +344,9 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
 
     def _agree_on_model(self, model) -> None:
         """Before a model's first step: its variables (name, shape, dtype, in order)."""
-        if self._stop is None or id(model) in self._agreed_models:
+        if self._stop is None or model in self._agreed_models:
             return
-        self._agreed_models.add(id(model))
+        self._agreed_models.add(model)
         self._agree(_agreement.describe(self.tf_config, model.weights, self._agreement_options))
 
     def run(self, fn, args=(), kwargs=None, options=None):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import weakref
 
 import tensorflow as tf
 from tensorflow.python.distribute import distribute_lib, one_device_strategy
@@ -235,7 +236,8 @@ class ParameterServer(distribute_lib.Strategy):
                 timeout=timeout,
             )
         self._adopted: set[int] = set()
-        self._agreed: set[int] = set()
+        # Models, not ids: a new model can reuse a collected one's id on one task only.
+        self._agreed = weakref.WeakSet()
         self._warned: set[str] = set()
         self._input_rows: int | None = None  # first batch of the latest distributed dataset
         logger.info(
@@ -346,11 +348,11 @@ class ParameterServer(distribute_lib.Strategy):
 
     def _check_model(self, model, step: str) -> None:
         """Before a model's first training step, every task agrees on its variables."""
-        if step != "train_step" or id(model) in self._agreed:
+        if step != "train_step" or model in self._agreed:
             if self.extended.problems:  # evaluate or predict only: nobody else to tell
                 raise _agreement.AgreementError(f"tfstrat: {self.extended.problems[0]}")
             return
-        self._agreed.add(id(model))
+        self._agreed.add(model)
         held = [w.value for w in model.weights if psvars.ps_index_of(w.value) is not None]
         if not held:
             return
