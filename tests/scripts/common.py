@@ -92,3 +92,23 @@ def dump_loaded(build, paths) -> None:
         model = build(stock=True)
         model.load_weights(path)
         np.savez(path + ".npz", *[w.numpy() for w in model.weights if w.trainable])
+
+
+def ps_pid() -> int:
+    """The process of ps:0 of this task's cluster (the one whose TF_CONFIG names it ps:0)."""
+    import json
+    import os
+
+    address = json.loads(os.environ["TF_CONFIG"])["cluster"]["ps"][0]
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        for item in environ:
+            if item.startswith(b"TF_CONFIG="):
+                config = json.loads(item[len(b"TF_CONFIG=") :])
+                task = config.get("task", {})
+                if task.get("type") == "ps" and config["cluster"]["ps"][0] == address:
+                    return int(pid)
+    raise RuntimeError(f"no process serves ps:0 at {address}")

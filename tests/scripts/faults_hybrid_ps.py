@@ -4,7 +4,6 @@ an error naming the ps task and its table server.
 Usage (under TF_CONFIG from `tfstrat launch --workers 2 --ps 1`): python faults_hybrid_ps.py
 """
 
-import json
 import os
 import signal
 
@@ -14,24 +13,7 @@ strategy = tfstrat.Hybrid(timeout=20, partitions=1)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-
-
-def ps_pid() -> int:
-    address = json.loads(os.environ["TF_CONFIG"])["cluster"]["ps"][0]
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-        except OSError:
-            continue
-        for item in environ:
-            if item.startswith(b"TF_CONFIG="):
-                config = json.loads(item[len(b"TF_CONFIG=") :])
-                if (
-                    config.get("task", {}).get("type") == "ps"
-                    and config["cluster"]["ps"][0] == address
-                ):
-                    return int(pid)
-    raise RuntimeError(f"no process serves ps:0 at {address}")
+from common import ps_pid  # noqa: E402
 
 
 class KillPs(keras.callbacks.Callback):

@@ -22,24 +22,7 @@ strategy = tfstrat.ParameterServer(
 )
 
 import keras  # noqa: E402
-from common import build_model, compile_model, data, optimizer  # noqa: E402
-
-
-def ps_pid() -> int:
-    """The process of ps:0 of this cluster (its TF_CONFIG names it)."""
-    address = strategy.extended.tf_config.addresses("ps")[0]
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-        except OSError:
-            continue
-        for item in environ:
-            if item.startswith(b"TF_CONFIG="):
-                config = json.loads(item[len(b"TF_CONFIG=") :])
-                task = config.get("task", {})
-                if task.get("type") == "ps" and config["cluster"]["ps"][0] == address:
-                    return int(pid)
-    raise RuntimeError(f"no process serves ps:0 at {address}")
+from common import build_model, compile_model, data, optimizer, ps_pid  # noqa: E402
 
 
 class KillPsAtStep(keras.callbacks.Callback):
