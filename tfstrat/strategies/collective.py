@@ -32,7 +32,6 @@ logger = logging.getLogger(__name__)
 
 _SUM, _MEAN = tf.distribute.ReduceOp.SUM, tf.distribute.ReduceOp.MEAN
 DEFAULT_TIMEOUT = 300.0
-_SHUFFLE_SEED = 20190325  # any constant: the same on every worker is what matters
 
 
 def _in_nested_control_flow() -> bool:
