@@ -118,7 +118,8 @@ def serve(tf_config: TFConfig, task: tuple[str, int] | None = None) -> None:
     start_server(tf_config, task).join()
 
 
-def _accepts(address: str) -> bool:
+def accepts(address: str) -> bool:
+    """Whether something accepts TCP connections at `address` (within 1 s)."""
     import socket
 
     host, port = address.rsplit(":", 1)
@@ -141,7 +142,7 @@ def serve_until_workers_exit(tf_config: TFConfig, poll: float = 1.0) -> None:
     seen: set[str] = set()
     while True:
         time.sleep(poll)
-        up = {a for a in trainers if _accepts(a)}
+        up = {a for a in trainers if accepts(a)}
         seen |= up
         if seen == trainers and not up:
             logger.info("tfstrat server: every worker has finished; ps exits")

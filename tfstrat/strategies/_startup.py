@@ -14,20 +14,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 
 from tfstrat.cluster import TFConfig
-
-
-def _listening(address: str) -> bool:
-    host, port = address.rsplit(":", 1)
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
-            return True
-    except OSError:
-        return False
+from tfstrat.server import accepts
 
 
 def peers(tf_config: TFConfig) -> list[tuple[str, str]]:
@@ -43,7 +34,7 @@ def peers(tf_config: TFConfig) -> list[tuple[str, str]]:
 
 def diagnosis(me: str, everyone: list[tuple[str, str]], timeout: float) -> str:
     """The line printed when the cluster did not come up in time."""
-    silent = [f"{name} at {address}" for name, address in everyone if not _listening(address)]
+    silent = [f"{name} at {address}" for name, address in everyone if not accepts(address)]
     if silent:
         return (
             f"tfstrat: {me}: {', '.join(silent)} did not come up within {timeout:g} s "
