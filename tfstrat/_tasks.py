@@ -25,7 +25,8 @@ from typing import TextIO
 _WATCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_watch.py")
 # TensorFlow reports a port taken between choosing and binding it only as this.
 _PORT_ERRORS = ("Could not start gRPC server", "Address already in use")
-_TAIL_LINES = 40  # kept for blame; the report prints the last 20
+_TAIL_LINES = 200  # enough for a crash dump of several threads
+_BLAME_LINES = 40  # the lines searched for an error line and the tasks it names
 # TensorFlow's task names, and tfstrat's (`worker:1`, `ps:0 at host:port`).
 _TASK_NAME = re.compile(r"/job:(\w+)/replica:\d+/task:(\d+)|\b(chief|worker|ps|evaluator):(\d+)\b")
 _ERROR_LINE = re.compile(r"\w(Error|Exception|Exit)\b|\berror\b|failed|fatal|abort", re.I)
@@ -185,7 +186,7 @@ class Failure:
 
     def summary(self) -> str:
         """One line for a restart notice: which task, exit code, its error line."""
-        line = error_line(self.noticed_by.tail)
+        line = error_line(list(self.noticed_by.tail)[-_BLAME_LINES:])
         if self.cause == self.noticed_by.name:
             return (
                 f"{self.cause} failed (exit code {self.code}{signal_note(self.returncode)}): {line}"
@@ -198,7 +199,7 @@ class Failure:
 
 def blame(task: Task, returncode: int, known: Collection[str], left_early: Sequence[str]):
     """The Failure of `task`: the task its error names, else one that exited 0 too early."""
-    named = named_tasks(task.tail, task.name, known)
+    named = named_tasks(list(task.tail)[-_BLAME_LINES:], task.name, known)
     if named:
         return Failure(task, returncode, named[0], f"with an error naming {named[0]}")
     others = [name for name in left_early if name != task.name]
@@ -209,13 +210,24 @@ def blame(task: Task, returncode: int, known: Collection[str], left_early: Seque
     return Failure(task, returncode, task.name)
 
 
+def last_lines(tail, count: int = 20) -> list[str]:
+    """The last `count` lines of a task's output, without Python's crash-dump list of loaded
+    extension modules (one line of thousands of characters); after a native crash, from a
+    few lines before "Fatal Python error" instead (the line that says what crashed, and TF's
+    own fatal message just before it, matter more than the last threads' stacks)."""
+    lines = [line for line in tail if not line.startswith("Extension modules:")]
+    fatal = [i for i, line in enumerate(lines) if line.startswith("Fatal Python error")]
+    start = max(0, fatal[-1] - 5) if fatal else len(lines) - count
+    return lines[max(0, start) :][: max(count, 40) if fatal else count]
+
+
 def report(failure: Failure, tasks_by_name: dict[str, Task], out: TextIO):
     """The box printed when a run fails: headline, the noticer's last lines (and the cause's)."""
     bar = "=" * 72
     task = failure.noticed_by
     out.write(f"{bar}\ntfstrat launch: {failure.headline()}; stopped the other tasks.\n")
     out.write(f"Last lines of {task.name}:\n")
-    for line in list(task.tail)[-20:]:
+    for line in last_lines(task.tail):
         out.write(f"  {line}\n")
     cause = tasks_by_name.get(failure.cause)
     if cause is not None and cause is not task:
