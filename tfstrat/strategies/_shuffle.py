@@ -97,6 +97,9 @@ def seed_shuffles(set_global_seed: bool = True) -> None:
         )
     if not _installed:
         _install()
+    from tfstrat.keras import _build  # every tfstrat strategy's other Keras hook (keras.io's GAN)
+
+    _build.install()
 
 
 def _install() -> None:

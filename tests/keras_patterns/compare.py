@@ -1,0 +1,99 @@
+"""Compares a pattern's run under a strategy with its run without one; formats table cells.
+
+A cell is "exact" when every weight of every task is within 1e-5 of the no-strategy run
+(||w - w_ref|| / ||w_ref||) and so is every metric (|m - m_ref| / max(|m_ref|, 1e-3)),
+"close (w X, logs Y)" with the largest relative differences otherwise, or "FAIL: reason".
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import numpy as np
+
+TOLERANCE = 1e-5
+
+
+def load(out: str, pattern: str, kind: str) -> dict:
+    """{task: npz dict or error string} of `kind`'s run of `pattern`."""
+    found = {}
+    for path in sorted(glob.glob(os.path.join(out, pattern, f"{kind}.*"))):
+        name = os.path.basename(path)
+        task, ext = name[len(kind) + 1 :].rsplit(".", 1)
+        if ext == "npz":
+            with np.load(path) as f:
+                found[task] = {k: f[k] for k in f.files}
+        elif ext == "error":
+            found[task] = open(path).read().strip()
+    return found
+
+
+def _relative(w, r) -> float:
+    w, r = np.asarray(w, np.float64), np.asarray(r, np.float64)
+    if w.shape != r.shape:
+        return float("inf")
+    denom = np.linalg.norm(r)
+    return float(np.linalg.norm(w - r) / denom) if denom else float(np.abs(w).max())
+
+
+def differences(run: dict, ref: dict) -> tuple[float, float, list[str]]:
+    """(largest weight difference, largest metric difference, metrics that differ most)."""
+    wkeys = [k for k in ref if k.startswith("w")]
+    if sorted(k for k in run if k.startswith("w")) != sorted(wkeys):
+        return float("inf"), float("inf"), ["a different number of weights"]
+    dw = max((_relative(run[k], ref[k]) for k in wkeys), default=0.0)
+    dm, worst = 0.0, []
+    for k in ref:
+        if k.startswith("m:"):
+            if k not in run:
+                d = float("inf")
+            else:
+                a, b = float(run[k]), float(ref[k])
+                d = abs(a - b) / max(abs(b), 1e-3) if np.isfinite(a) else float("inf")
+            if d > TOLERANCE:
+                worst.append((d, k[2:]))
+            dm = max(dm, d)
+    worst.sort(reverse=True)
+    return dw, dm, [name for _, name in worst[:2]]
+
+
+def compare(out: str, pattern: str, kind: str, weights_only: bool = False) -> dict:
+    """What the table and the tests read: {"cell", "weights", "metrics", "tasks"}."""
+    ref = load(out, pattern, "none").get("main")
+    runs = load(out, pattern, kind)
+    base = {"weights": None, "metrics": None, "tasks": sorted(runs)}
+    if not isinstance(ref, dict):
+        return {**base, "cell": f"FAIL: no-strategy run: {ref or 'missing'}"}
+    if not runs:
+        return {**base, "cell": "FAIL: no result (the run died; see its output)"}
+    errors = [v for v in runs.values() if isinstance(v, str)]
+    if errors:
+        return {**base, "cell": "FAIL: " + _short(errors[0])}
+    dw, dm, worst = 0.0, 0.0, []
+    for run in runs.values():
+        w, m, names = differences(run, ref)
+        dw, dm = max(dw, w), max(dm, m)
+        worst = worst or names
+    if weights_only:
+        dm, worst = 0.0, []
+    if not np.isfinite(dw):
+        cell = "FAIL: weights not finite or of other shapes"
+    elif dw <= TOLERANCE and dm <= TOLERANCE:
+        cell = "exact"
+    elif dw <= TOLERANCE:
+        cell = f"exact weights; logs {_num(dm)} ({', '.join(worst)})"
+    else:
+        cell = f"close (w {_num(dw)}" + (f", logs {_num(dm)})" if dm > TOLERANCE else ")")
+    return {**base, "cell": cell, "weights": dw, "metrics": dm}
+
+
+def _num(x: float) -> str:
+    return "inf" if not np.isfinite(x) else f"{x:.1g}"
+
+
+def _short(error: str) -> str:
+    error = " ".join(error.split())
+    for marker in ("Exception encountered:", "Detected at node"):
+        error = error.split(marker)[0].strip()
+    return error[:90] + ("..." if len(error) > 90 else "")

@@ -1,0 +1,96 @@
+"""Runs keras.io-style patterns under one strategy and writes what they trained.
+
+Usage: python run.py PATTERN[,PATTERN...] STRATEGY OUT_DIR
+
+STRATEGY is one of `STRATEGIES` (below). Single-process strategies run as they are; the
+multi-worker ones run under `tfstrat launch` (see `table.py`, which starts the right cluster).
+Each task writes OUT_DIR/PATTERN/STRATEGY.TASK.npz (the model's weights w0, w1, ... and
+metrics m:NAME) or, when the pattern raised, OUT_DIR/PATTERN/STRATEGY.TASK.error (its last
+line). A pattern that fails on every task the same way leaves the others to run.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+# One process, two replicas: the CPU is split before TensorFlow's runtime starts.
+SPLIT = {"mirrored": 2, "stock-mirrored": 2}
+# What `tfstrat launch` starts for each strategy: (workers, ps tasks).
+CLUSTERS = {
+    "collective": (2, 0),
+    "hybrid": (2, 1),
+    "ps": (2, 1),
+    "stock-mwms": (2, 0),
+}
+STRATEGIES = ("none", "mirrored", "collective", "hybrid", "ps", "stock-mirrored", "stock-mwms")
+TIMEOUT = 60  # every collective and ps wait of the strategies (seconds)
+
+
+def make_strategy(kind: str):
+    """The strategy of `kind`, created before any other TensorFlow op (multi-worker ones
+    configure collectives at program start)."""
+    import tfstrat
+
+    if kind in SPLIT:
+        tfstrat.split_cpu(SPLIT[kind])
+    if kind == "none":
+        return None
+    if kind == "mirrored":
+        return tfstrat.MirroredNCCL(timeout=TIMEOUT)
+    if kind == "collective":
+        return tfstrat.CollectiveAllReduce(timeout=TIMEOUT)
+    if kind == "hybrid":
+        return tfstrat.Hybrid(timeout=TIMEOUT)
+    if kind == "ps":
+        return tfstrat.ParameterServer(mode="sync", timeout=TIMEOUT)
+    import tensorflow as tf
+
+    if kind == "stock-mirrored":
+        return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    if kind == "stock-mwms":
+        options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=TIMEOUT)
+        return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    raise ValueError(f"Received: strategy={kind!r}. Use one of {', '.join(STRATEGIES)}.")
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 3:
+        print(__doc__, file=sys.stderr)
+        return 2
+    names, kind, out = argv[0].split(","), argv[1], argv[2]
+    strategy = make_strategy(kind)
+    import numpy as np
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from patterns import PATTERNS, Context
+
+    unknown = [n for n in names if n not in PATTERNS]
+    if unknown:
+        raise ValueError(f"Received: patterns {unknown}. Known: {', '.join(PATTERNS)}.")
+    task = os.environ.get("TFSTRAT_TASK", "main").replace(":", "")
+    for name in names:
+        where = os.path.join(out, name)
+        os.makedirs(where, exist_ok=True)
+        base = os.path.join(where, f"{kind}.{task}")
+        ctx = Context(strategy, kind, os.path.join(where, f"{kind}.work"))
+        try:
+            result = PATTERNS[name](ctx)
+        except BaseException as e:  # noqa: BLE001 - every failure is a table cell
+            traceback.print_exc()
+            line = f"{type(e).__name__}: {e}".strip().splitlines()
+            with open(base + ".error", "w") as f:
+                f.write(" ".join(line)[:300])
+            if not isinstance(e, Exception):
+                raise
+            continue
+        arrays = {f"w{i}": np.asarray(w) for i, w in enumerate(result["weights"])}
+        arrays.update({f"m:{k}": np.asarray(v, np.float64) for k, v in result["metrics"].items()})
+        np.savez(base + ".npz", **arrays)
+        print(f"pattern {name} under {kind} on {task}: done", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
