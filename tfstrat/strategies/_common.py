@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
+from tfstrat.strategies import _exact_step
+
 _Impl = tf.distribute.experimental.CommunicationImplementation
 
 
@@ -78,32 +80,8 @@ def clip_aggregated(optimizer, grads):
     return grads
 
 
-def _reduce_with_stop_flags(reduce_sum, stop):
-    """Keras's gradient all-reduce, with the workers' stop requests (`_stopping`) riding in
-    the same collective."""
-
-    def reduce(grads_and_vars):
-        pairs = list(grads_and_vars)
-        have = [i for i, (g, _) in enumerate(pairs) if g is not None]
-        context = tf.distribute.get_replica_context()
-        if not have or context is None:
-            return reduce_sum(pairs)
-        grads = [pairs[i][0] for i in have]
-        dense = [g for g in grads if not isinstance(g, tf.IndexedSlices)]
-        flags = stop.flags(dense[0].dtype if dense else tf.float32)
-        reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, grads + [flags])
-        stop.agree(reduced[-1])
-        for i, r in zip(have, reduced[:-1], strict=True):
-            pairs[i] = (r, pairs[i][1])
-        return pairs
-
-    return reduce
-
-
-def _take_over_clipping(optimizer, stop=None):
-    reduce_sum = optimizer._all_reduce_sum_gradients
-    if stop is not None:
-        reduce_sum = _reduce_with_stop_flags(reduce_sum, stop)
+def _take_over_clipping(optimizer, stop, replicas):
+    reduce_sum = _exact_step.step_reduce(optimizer._all_reduce_sum_gradients, stop, replicas)
 
     def reduce_then_clip(grads_and_vars):
         pairs = list(reduce_sum(grads_and_vars))
@@ -116,12 +94,14 @@ def _take_over_clipping(optimizer, stop=None):
 
 
 class AdoptsKerasOptimizers:
-    """Strategy mixin: takes over the clipping of the Keras optimizer that `fit` steps.
+    """Strategy mixin: takes over the gradient reduction of the Keras optimizer `fit` steps.
 
     Keras's train step reaches the strategy as `strategy.run(model.train_step, ...)`: a bound
     method, so the model and its optimizer are at hand before the step is traced. (An earlier
     version looked for optimizers up the Python stack at variable creation; reading frames'
-    locals is avoided on purpose.)
+    locals is avoided on purpose.) The step's one all-reduce then also carries the rows
+    weighting, the metric states (`_exact_step`) and, multi-worker, the stop flags; clipping
+    applies to the reduced gradient.
     """
 
     def run(self, fn, args=(), kwargs=None, options=None):
@@ -130,11 +110,19 @@ class AdoptsKerasOptimizers:
         model = getattr(fn, "__self__", None)
         optimizer = getattr(model, "optimizer", None)
         stop = getattr(self, "_stop", None)  # multi-worker strategies stop together
-        if isinstance(optimizer, Optimizer) and not getattr(optimizer, "_tfstrat_clipping", False):
-            _take_over_clipping(optimizer, stop)
-        if stop is not None and getattr(fn, "__name__", "") == "train_step":
-            stop.attach(model)
+        inner = getattr(optimizer, "inner_optimizer", optimizer)  # LossScaleOptimizer's
+        if isinstance(inner, Optimizer) and not getattr(inner, "_tfstrat_clipping", False):
+            _take_over_clipping(inner, stop, self.num_replicas_in_sync)
+        if getattr(fn, "__name__", "") == "train_step" and hasattr(model, "metrics"):
+            if stop is not None:
+                stop.attach(model)
             exact_logs_for_empty_slices(model)
+            if isinstance(inner, Optimizer):
+                fn = _exact_step.replica_step(model, fn)
+        if getattr(fn, "__name__", "") == "train_step" and model is not None:
+            from tfstrat.strategies import _stats  # BatchNormalization's moving statistics
+
+            fn = _stats.averaging(self, fn, model)
         return super().run(fn, args=args, kwargs=kwargs, options=options)
 
 

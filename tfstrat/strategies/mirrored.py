@@ -42,6 +42,8 @@ class MirroredNCCL(_common.AdoptsKerasOptimizers, tf.distribute.MirroredStrategy
         ...     model.compile(optimizer="sgd", loss="mse")
     """
 
+    _instances = 0
+
     def __init__(
         self,
         devices: Sequence[str] | None = None,
@@ -53,6 +55,11 @@ class MirroredNCCL(_common.AdoptsKerasOptimizers, tf.distribute.MirroredStrategy
         devices = local_devices(devices)
         _shuffle.seed_shuffles(set_global_seed=False)  # reshuffled per epoch, replayable
         implementation = _common.communication_implementation(communication, devices)
+        # Each instance its own collective group keys: TF 2.21 starts every MirroredStrategy
+        # at group key 1, so a second one over another number of devices in the same process
+        # fails ("joining a group with size 3, but that group has size 2").
+        MirroredNCCL._instances += 1
+        self._collective_key_base = 100_000 * MirroredNCCL._instances
         super().__init__(devices=devices)
         extended = self.extended
         options = tf.distribute.experimental.CommunicationOptions(
@@ -82,3 +89,12 @@ class MirroredNCCL(_common.AdoptsKerasOptimizers, tf.distribute.MirroredStrategy
         _common.check_not_empty(dataset)  # else a bare StopIteration from Keras's first next()
         distributed = super().experimental_distribute_dataset(dataset, options)
         return _common.name_empty_input(distributed)
+
+    def reduce(self, reduce_op, value, axis=None):
+        op = tf.distribute.ReduceOp(reduce_op.upper()) if isinstance(reduce_op, str) else reduce_op
+        if tf.nest.is_nested(value) and op == tf.distribute.ReduceOp.MEAN and axis is None:
+            # Keras 3.15's symbolic build reduces its first data batch only for its shapes;
+            # stock adds the replicas' slices up (AddN), which fails when the global batch
+            # does not split evenly (30 rows over 4 replicas: 8, 8, 8 and 6).
+            return tf.nest.map_structure(lambda v: self.experimental_local_results(v)[0], value)
+        return super().reduce(reduce_op, value, axis)

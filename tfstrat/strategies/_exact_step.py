@@ -1,0 +1,197 @@
+"""Exact training steps for any global batch, and global per-step logs, in one all-reduce.
+
+Weighting. Keras 3.15 divides each replica's *local mean* loss by the replica count R
+(`keras/src/losses/loss.py`, `scale_loss_for_distribution`), so summing the replicas' gradients
+gives sum_r g_r / (R n_r) over examples: exact only when every replica holds the same number of
+rows n_r. Here each replica multiplies its gradient by R n_r and appends n_r to the step's
+gradient all-reduce; after it the sum is divided by N = sum_r n_r, which gives one device's
+(1/N) sum_i g_i. Regularization and `add_loss` terms (Keras scales them by 1/R too) come out
+as sum_r (n_r/N) reg = reg; `sample_weight` multiplies the per-example losses before Keras's
+mean, so it stays where it was. Losses Keras does not scale (reduction="sum", or a custom loss
+returning a scalar) are weighed by R n_r / N: 1 when the batch splits evenly.
+
+Logs. The step's metric states (the loss tracker, compiled metrics, every metric of the model
+whose variables sum across replicas) ride in the same all-reduce, and the step's logs are the
+metrics' results on the summed states: global, equal on every worker, and equal to one
+device's. Keras's default `train_step` updates the compiled metrics *after*
+`optimizer.apply_gradients`; for that `train_step` the call is deferred until the step's
+metrics are updated (nothing in that step reads the weights after the update). A custom
+`train_step` keeps its own order: its gradients are weighted exactly, its logs stay local.
+
+Everything travels in one flat vector appended to the gradients: [stop flags (multi-worker),
+n_r, metric states...], so a step still runs one all-reduce (one TCP ring call).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import numpy as np
+import tensorflow as tf
+
+
+class _Step(threading.local):
+    """The step being traced, per replica: MirroredStrategy traces each replica in a thread."""
+
+    rows = None  # this replica's rows (scalar int32 tensor), while a train_step is traced
+    pending = None  # deferred apply_gradients calls (Keras's default train_step), or None
+    metrics = None  # metrics whose states ride in the gradient all-reduce
+    states = None  # their all-reduced states, once the reduce has run
+
+
+_step = _Step()
+
+
+def _rows_of(args, kwargs):
+    """The batch's rows, as Keras's loss tracker counts them: the first input's first axis."""
+    for t in tf.nest.flatten((args, kwargs), expand_composites=False):
+        if isinstance(t, tf.RaggedTensor):
+            return tf.cast(t.nrows(), tf.int32)
+        if isinstance(t, tf.SparseTensor):
+            return tf.cast(t.dense_shape[0], tf.int32)
+        if tf.is_tensor(t) and t.shape.rank:
+            return tf.shape(t)[0]
+    return None
+
+
+def _is_keras_default_train_step(fn) -> bool:
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    return getattr(fn, "__func__", None) is TensorFlowTrainer.train_step
+
+
+def defer_apply(optimizer) -> None:
+    """`optimizer.apply_gradients` records its arguments while a default train_step runs."""
+    if getattr(optimizer, "_tfstrat_deferrable", False):
+        return
+    keras_apply_gradients = optimizer.apply_gradients
+
+    def apply_gradients(grads_and_vars):
+        if _step.pending is not None:
+            _step.pending.append((keras_apply_gradients, list(grads_and_vars)))
+            return optimizer.iterations
+        return keras_apply_gradients(grads_and_vars)
+
+    optimizer.apply_gradients = apply_gradients
+    optimizer._tfstrat_deferrable = True
+
+
+def replica_step(model, fn):
+    """`fn` (a model's bound train_step), exactly weighted and with global logs."""
+    default = _is_keras_default_train_step(fn) and hasattr(model.optimizer, "apply_gradients")
+    if default:
+        defer_apply(model.optimizer)
+
+    @functools.wraps(fn)
+    def step(*args, **kwargs):
+        _step.rows = _rows_of(args, kwargs)
+        _step.pending = [] if default else None
+        _step.metrics = _step.states = None
+        try:
+            logs = fn(*args, **kwargs)
+            pending, _step.pending = _step.pending, None
+            if not pending:  # a custom train_step, or no trainable weights
+                return logs
+            _step.metrics = _foldable(model)
+            for apply_gradients, grads_and_vars in pending:
+                apply_gradients(grads_and_vars)
+            if _step.states is None:  # not reduced (no replica context, no gradient)
+                return logs
+            return _logs(model, _step.metrics, _step.states)
+        finally:
+            _step.rows = _step.pending = _step.metrics = _step.states = None
+
+    return step
+
+
+def _foldable(model) -> list:
+    """The model's metrics whose every state variable sums across replicas."""
+    out = []
+    for metric in model.metrics:
+        variables = metric.variables
+        if variables and all(getattr(v, "aggregation", None) == "sum" for v in variables):
+            out.append(metric)
+    return out
+
+
+def _logs(model, folded, states):
+    """Keras's `get_metrics_result`, with the folded metrics computed on the global states."""
+    from keras.src.utils.python_utils import pythonify_logs
+
+    by_metric = dict(zip((id(m) for m in folded), states, strict=True))
+    logs = {}
+    for metric in model.metrics:
+        mine = by_metric.get(id(metric))
+        result = metric.result() if mine is None else metric.stateless_result(mine)
+        if isinstance(result, dict):
+            logs.update(result)
+        else:
+            logs[metric.name] = result
+    return pythonify_logs(logs)
+
+
+def _scale(g, s):
+    # multiply_no_nan: a replica with no rows has a 0/0 loss; its gradient must count as 0.
+    if isinstance(g, tf.IndexedSlices):
+        values = tf.math.multiply_no_nan(g.values, tf.cast(s, g.values.dtype))
+        return tf.IndexedSlices(values, g.indices, g.dense_shape)
+    return tf.math.multiply_no_nan(g, tf.cast(s, g.dtype))
+
+
+def _extras_dtype(grads):
+    """The dense gradients' dtype when it holds counts exactly enough, so that the extras
+    pack with them (the TCP ring carries one dtype); else float32 (TF's collectives)."""
+    dense = [g.dtype for g in grads if not isinstance(g, tf.IndexedSlices)]
+    return dense[0] if dense and dense[0] in (tf.float32, tf.float64) else tf.float32
+
+
+def step_reduce(reduce_sum, stop, replicas: int):
+    """Keras's gradient all-reduce (`optimizer._all_reduce_sum_gradients`), carrying the stop
+    flags (`_stopping`, multi-worker only), the rows weighting and the metric states."""
+
+    def reduce(grads_and_vars):
+        pairs = list(grads_and_vars)
+        have = [i for i, (g, _) in enumerate(pairs) if g is not None]
+        context = tf.distribute.get_replica_context()
+        rows, metrics = _step.rows, _step.metrics or []
+        if not have or context is None or (stop is None and rows is None and not metrics):
+            return reduce_sum(pairs)
+        grads = [pairs[i][0] for i in have]
+        dtype = _extras_dtype(grads)
+        parts = [stop.flags(dtype)] if stop is not None else []
+        if rows is not None:
+            grads = [_scale(g, rows * replicas) for g in grads]
+            parts.append(tf.reshape(tf.cast(rows, dtype), [1]))
+        variables = [v for m in metrics for v in m.variables]
+        parts += [tf.reshape(tf.cast(v.value, dtype), [-1]) for v in variables]
+        reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, grads + [tf.concat(parts, 0)])
+        extras, at = reduced[-1], 0
+        if stop is not None:
+            stop.agree(extras[:2])
+            at = 2
+        grads = reduced[:-1]
+        if rows is not None:
+            grads = [_scale(g, 1.0 / extras[at]) for g in grads]
+            at += 1
+        states = []
+        for v in variables:
+            size = int(np.prod(v.shape))
+            states.append(tf.cast(tf.reshape(extras[at : at + size], v.shape), v.dtype))
+            at += size
+        if metrics:
+            _step.states = _split_by_metric(metrics, states)
+        for i, g in zip(have, grads, strict=True):
+            pairs[i] = (g, pairs[i][1])
+        return pairs
+
+    return reduce
+
+
+def _split_by_metric(metrics, states):
+    out, at = [], 0
+    for m in metrics:
+        n = len(m.variables)
+        out.append(states[at : at + n])
+        at += n
+    return out
