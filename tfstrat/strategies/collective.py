@@ -26,7 +26,7 @@ from tfstrat.cluster import TFConfig
 from tfstrat.reduce import ring
 from tfstrat.reduce.collective import SparseAwareAllReduce
 from tfstrat.reduce.sparse import DensityPolicy
-from tfstrat.strategies import _common, _startup, _stopping
+from tfstrat.strategies import _common, _reuse, _startup, _stopping
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +68,8 @@ class _Extended(_cars.CollectiveAllReduceExtended):
     def __init__(self, container, resolver, options, local_devices, density):
         self._local_device_count = local_devices
         self._density = density
+        if getattr(container, "_tfstrat_reused", False):  # a running server: `_reuse`
+            self._std_server_started, self._enable_check_health = True, False
         super().__init__(container, cluster_resolver=resolver, communication_options=options)
         counter = tf.Variable(1 << 30, dtype=tf.int32, trainable=False, name="collective_key")
         for ops in (self._cross_device_ops, self._host_cross_device_ops):
@@ -253,13 +255,18 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
 
         faulthandler.enable()  # a worker that crashes (SIGSEGV) prints its Python stacks
         _seed_shuffles()
-        with _startup.watchdog(tf_config, timeout):
+        reused = _reuse.enter(self, tf_config)  # raises for another TF_CONFIG
+        from tfstrat.keras import _saving
+
+        _saving.install()  # model.save on every worker: the chief writes
+        with _startup.watchdog(tf_config, None if reused else timeout):
             # MWMS.__init__ hard-codes its extended class; this is its body with ours.
             distribute_lib.Strategy.__init__(
                 self, _Extended(self, resolver, options, count, self.density)
             )
             if tcp:
-                ring_ = self._connect_ring(timeout or DEFAULT_TIMEOUT)
+                t = timeout or DEFAULT_TIMEOUT
+                ring_ = _reuse.ring(lambda: self._connect_ring(t), t)
                 self.extended._cross_device_ops.ring = ring_
         self._stop = None
         # Models, not ids: a new model can reuse a collected one's id on one worker only.

@@ -208,6 +208,9 @@ class ParameterServer(distribute_lib.Strategy):
             )
         worker = _worker_index(tf_config)
         seed_shuffles()  # workers slice the same global batches: they must shuffle alike
+        from tfstrat.keras import _saving
+
+        _saving.install()  # model.save on every worker: the chief writes
         device = connect(tf_config, timeout)
         self._heartbeat = Heartbeat(tf_config, timeout).start()
         super().__init__(
