@@ -1,7 +1,7 @@
 """Compares a pattern's run under a strategy with its run without one; formats table cells.
 
 A cell is "exact" when every weight of every task is within 1e-5 of the no-strategy run
-(||w - w_ref|| / ||w_ref||) and so is every metric (|m - m_ref| / max(|m_ref|, 1e-3)),
+(||w - w_ref|| / max(||w_ref||, 1e-3)) and so is every metric (|m - m_ref| / max(|m_ref|, 1e-3)),
 "close (w X, logs Y)" with the largest relative differences otherwise, or "FAIL: reason".
 """
 
@@ -13,6 +13,7 @@ import os
 import numpy as np
 
 TOLERANCE = 1e-5
+FLOOR = 1e-3  # norms below this count as this
 
 
 def load(out: str, pattern: str, kind: str) -> dict:
@@ -20,6 +21,8 @@ def load(out: str, pattern: str, kind: str) -> dict:
     found = {}
     for path in sorted(glob.glob(os.path.join(out, pattern, f"{kind}.*"))):
         name = os.path.basename(path)
+        if not name.endswith((".npz", ".error")):
+            continue  # the pattern's own files (a saved model)
         task, ext = name[len(kind) + 1 :].rsplit(".", 1)
         if ext == "npz":
             with np.load(path) as f:
@@ -33,8 +36,19 @@ def _relative(w, r) -> float:
     w, r = np.asarray(w, np.float64), np.asarray(r, np.float64)
     if w.shape != r.shape:
         return float("inf")
-    denom = np.linalg.norm(r)
-    return float(np.linalg.norm(w - r) / denom) if denom else float(np.abs(w).max())
+    # A weight that stays near zero (a bias before BatchNormalization gets no gradient) is
+    # compared absolutely: relative differences of rounding noise mean nothing.
+    return float(np.linalg.norm(w - r) / max(np.linalg.norm(r), FLOOR))
+
+
+def metric_differences(run: dict, ref: dict) -> dict[str, float]:
+    """{metric: |m - m_ref| / max(|m_ref|, 1e-3)} (inf when missing or not finite)."""
+    diffs = {}
+    for k in ref:
+        if k.startswith("m:"):
+            a, b = float(run.get(k, np.nan)), float(ref[k])
+            diffs[k[2:]] = abs(a - b) / max(abs(b), 1e-3) if np.isfinite(a) else float("inf")
+    return diffs
 
 
 def differences(run: dict, ref: dict) -> tuple[float, float, list[str]]:
@@ -43,23 +57,14 @@ def differences(run: dict, ref: dict) -> tuple[float, float, list[str]]:
     if sorted(k for k in run if k.startswith("w")) != sorted(wkeys):
         return float("inf"), float("inf"), ["a different number of weights"]
     dw = max((_relative(run[k], ref[k]) for k in wkeys), default=0.0)
-    dm, worst = 0.0, []
-    for k in ref:
-        if k.startswith("m:"):
-            if k not in run:
-                d = float("inf")
-            else:
-                a, b = float(run[k]), float(ref[k])
-                d = abs(a - b) / max(abs(b), 1e-3) if np.isfinite(a) else float("inf")
-            if d > TOLERANCE:
-                worst.append((d, k[2:]))
-            dm = max(dm, d)
-    worst.sort(reverse=True)
-    return dw, dm, [name for _, name in worst[:2]]
+    diffs = metric_differences(run, ref)
+    worst = sorted(((d, k) for k, d in diffs.items() if d > TOLERANCE), reverse=True)
+    return dw, max(diffs.values(), default=0.0), [name for _, name in worst[:2]]
 
 
 def compare(out: str, pattern: str, kind: str, weights_only: bool = False) -> dict:
-    """What the table and the tests read: {"cell", "weights", "metrics", "tasks"}."""
+    """What the table and the tests read: {"cell", "weights", "metrics", "per_metric",
+    "tasks"}."""
     ref = load(out, pattern, "none").get("main")
     runs = load(out, pattern, kind)
     base = {"weights": None, "metrics": None, "tasks": sorted(runs)}
@@ -70,11 +75,13 @@ def compare(out: str, pattern: str, kind: str, weights_only: bool = False) -> di
     errors = [v for v in runs.values() if isinstance(v, str)]
     if errors:
         return {**base, "cell": "FAIL: " + _short(errors[0])}
-    dw, dm, worst = 0.0, 0.0, []
+    dw, dm, worst, per_metric = 0.0, 0.0, [], {}
     for run in runs.values():
         w, m, names = differences(run, ref)
         dw, dm = max(dw, w), max(dm, m)
         worst = worst or names
+        for k, d in metric_differences(run, ref).items():
+            per_metric[k] = max(per_metric.get(k, 0.0), d)
     if weights_only:
         dm, worst = 0.0, []
     if not np.isfinite(dw):
@@ -85,7 +92,7 @@ def compare(out: str, pattern: str, kind: str, weights_only: bool = False) -> di
         cell = f"exact weights; logs {_num(dm)} ({', '.join(worst)})"
     else:
         cell = f"close (w {_num(dw)}" + (f", logs {_num(dm)})" if dm > TOLERANCE else ")")
-    return {**base, "cell": cell, "weights": dw, "metrics": dm}
+    return {**base, "cell": cell, "weights": dw, "metrics": dm, "per_metric": per_metric}
 
 
 def _num(x: float) -> str:

@@ -83,6 +83,8 @@ def classifier(ctx, optimizer="sgd", **compile_kw):
         model = mlp()
         if optimizer == "sgd":
             optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+        elif callable(optimizer):  # created in the scope, as keras.io's guide does
+            optimizer = optimizer()
         model.compile(optimizer=optimizer, loss=sparse_ce(), metrics=["accuracy"], **compile_kw)
     return model
 
@@ -146,7 +148,7 @@ def multi_io(ctx):
         model.compile(
             optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
             loss={"score": "mse", "label": sparse_ce(), "probe": None},
-            loss_weights={"score": 0.5, "label": 2.0},
+            loss_weights={"score": 0.5, "label": 2.0, "probe": 1.0},  # Keras wants one per output
             metrics={"label": ["accuracy"]},
         )
     inputs = {"features": x, "extra": extra}
@@ -161,7 +163,7 @@ def lr_schedules(ctx):
 
     x, y = data()
     decay = keras.optimizers.schedules.ExponentialDecay(0.2, decay_steps=2, decay_rate=0.5)
-    decayed = classifier(ctx, optimizer=keras.optimizers.SGD(decay, momentum=0.9))
+    decayed = classifier(ctx, optimizer=lambda: keras.optimizers.SGD(decay, momentum=0.9))
     h1 = decayed.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
     scheduled = classifier(ctx)
     schedule = keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.2 * 0.5**epoch)

@@ -237,7 +237,7 @@ def _conv_model(ctx, *, dropout: bool, synchronized: bool):
         seeded()
         layers = [
             keras.Input((4, 4, 1)),
-            keras.layers.Conv2D(4, 3, padding="same"),
+            keras.layers.Conv2D(4, 3, padding="same", use_bias=False),
             keras.layers.BatchNormalization(synchronized=synchronized),
             keras.layers.ReLU(),
             keras.layers.Flatten(),

@@ -1,0 +1,66 @@
+"""keras.io-style programs (tests/keras_patterns/) under tfstrat strategies, against the same
+programs without a strategy, on the same global batches.
+
+The default suite runs a fast subset: one process without a strategy (the reference), one with
+MirroredNCCL on 2 logical CPUs, one 2-worker CollectiveAllReduce cluster, each running every
+pattern of the subset. `scripts/patterns` runs every pattern under every strategy, stock
+tf.distribute's included, and prints the table.
+"""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "keras_patterns"))
+
+from compare import TOLERANCE, compare  # noqa: E402
+from table import run_strategy  # noqa: E402
+
+# keras.io's GAN (no call(), two optimizers of its own) and the other patterns that reach the
+# most machinery in one run each.
+FAST = ["gan", "custom_steps", "multi_io", "steps_per_execution", "preprocessing", "lr_schedules"]
+# Loss trackers a custom train_step updates with the loss Keras returns, which Keras 3 divides
+# by the replica count under any strategy (`scale_loss_for_distribution`, stock too): these
+# logs read 1/replicas of one device's; the weights are exact.
+SCALED_LOGS = {"gan": ("fit/d_loss", "fit/g_loss"), "custom_steps": ("fit/loss", "evaluate/loss")}
+
+pytestmark = [pytest.mark.patterns, pytest.mark.cluster]
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("patterns"))
+    run_strategy("none", FAST, out)
+    return out
+
+
+def _check(out, kind, replicas):
+    failures = []
+    for pattern in FAST:
+        result = compare(out, pattern, kind)
+        if result["weights"] is None or result["weights"] > TOLERANCE:
+            failures.append(f"{pattern}: {result['cell']}")
+            continue
+        for name, diff in result["per_metric"].items():
+            if name in SCALED_LOGS.get(pattern, ()):
+                continue
+            if diff > TOLERANCE:
+                failures.append(f"{pattern}: log {name} differs by {diff:.2g}")
+        scaled = SCALED_LOGS.get(pattern, ())
+        for name in scaled:
+            # 1/replicas of the reference: |m/r - m| / m = 1 - 1/r.
+            assert abs(result["per_metric"][name] - (1 - 1 / replicas)) < 1e-4, (pattern, name)
+    assert not failures, failures
+
+
+@pytest.mark.timeout(420)
+def test_patterns_mirrored_nccl_equal_one_device(out):
+    run_strategy("mirrored", FAST, out)
+    _check(out, "mirrored", replicas=2)
+
+
+@pytest.mark.timeout(480)
+def test_patterns_collective_all_reduce_equal_one_device(out):
+    run_strategy("collective", FAST, out)
+    _check(out, "collective", replicas=2)
