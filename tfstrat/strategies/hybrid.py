@@ -93,9 +93,12 @@ class Hybrid(CollectiveAllReduce):
             wait_for_ps(tf_config, timeout, port_offset=1)
             self._clients = TableClients(ps, timeout, self.worker_index)
         logger.info(
-            "tfstrat: Hybrid, %d ps task(s): %s",
+            "tfstrat: Hybrid, %d ps task(s): %s; one line per embedding table at the first step",
             len(ps),
-            "embedding tables on the ps tasks" if ps else "every variable mirrored",
+            f"tables of tfstrat.keras.layers.Embedding on the ps tasks (sparse={sparse!r}), "
+            "every other variable mirrored"
+            if ps
+            else "every variable mirrored",
         )
 
     # -- tables --------------------------------------------------------------------------
@@ -212,11 +215,13 @@ class Hybrid(CollectiveAllReduce):
         optimizer = getattr(getattr(fn, "__self__", None), "optimizer", None)
         if optimizer is not None and optimizer is not self._optimizer:
             self._optimizer = optimizer
-            self._warn_sparse_dense(optimizer)
+            self._warn_sparse_dense(optimizer, getattr(fn, "__self__", None))
         return super().run(fn, args=args, kwargs=kwargs, options=options)
 
-    def _warn_sparse_dense(self, optimizer):
-        """One warning per mirrored variable whose gradient is sparse (still reduced sparsely)."""
+    def _warn_sparse_dense(self, optimizer, model=None):
+        """At the first step: one line per embedding table (where it lives, how its gradient is
+        reduced, why; `_tables_report`), and one warning per other mirrored variable whose
+        gradient is sparse (still reduced sparsely)."""
         if getattr(optimizer, "_tfstrat_hybrid", False):
             return
         optimizer._tfstrat_hybrid = True
@@ -224,8 +229,9 @@ class Hybrid(CollectiveAllReduce):
 
         def checked(grads, trainable_variables=None):
             variables = trainable_variables or optimizer._trainable_variables
+            reported = self._report_tables(model, grads, variables)
             for g, v in zip(grads, variables):
-                expected = v.path in self._sparse_mirrored
+                expected = v.path in self._sparse_mirrored or v.path in reported
                 if isinstance(g, tf.IndexedSlices) and not expected and v.path not in self._warned:
                     self._warned.add(v.path)
                     logger.warning(
@@ -238,3 +244,19 @@ class Hybrid(CollectiveAllReduce):
             return apply(grads, trainable_variables)
 
         optimizer.apply = checked
+
+    def _report_tables(self, model, grads, variables) -> set[str]:
+        """Logs `_tables_report.lines` once per model (the chief); the reported paths."""
+        from tfstrat.strategies import _tables_report
+
+        if model is None:
+            return set()
+        by_path = {v.path: g for g, v in zip(grads, variables)}
+        lines, paths = _tables_report.lines(self, model, by_path)
+        if self.worker_index == 0 and not getattr(model, "_tfstrat_tables_reported", False):
+            model._tfstrat_tables_reported = True
+            for line in lines:
+                mirrored = "mirrored on every worker" in line
+                log = logger.warning if mirrored and self.ps_addresses else logger.info
+                log("%s", line)
+        return paths
