@@ -18,12 +18,6 @@ parser.add_argument("--reference", action="store_true")
 parser.add_argument("--global-batch", type=int, default=24)
 parser.add_argument("--examples", type=int, default=24 * 21)
 parser.add_argument("--clip", default=None, help="KIND=VALUE, e.g. global_clipnorm=0.1")
-parser.add_argument(
-    "--emulate-workers",
-    type=int,
-    default=0,
-    help="reference only: weigh examples as W workers' local means do (uneven splits)",
-)
 parser.add_argument("--communication", default="auto", help="CollectiveAllReduce's")
 args = parser.parse_args()
 
@@ -56,17 +50,6 @@ from common import build_model, compile_model, data, optimizer  # noqa: E402
 
 scope = (strategy or tf.distribute.get_strategy()).scope
 x, y = data(args.examples)
-sample_weight = None
-if args.emulate_workers:
-    # Worker w holds rows [w*n//W, (w+1)*n//W) of a batch of n; Keras averages each worker's
-    # local mean, so a row's weight in the global mean is n / (W * rows on its worker).
-    W, B = args.emulate_workers, args.global_batch
-    sample_weight = np.ones(len(x), np.float32)
-    for start in range(0, len(x), B):
-        n = min(B, len(x) - start)
-        for w in range(W):
-            lo, hi = w * n // W, (w + 1) * n // W
-            sample_weight[start + lo : start + hi] = n / (W * (hi - lo))
 results = {}
 for name in ("sgdm", "adam"):
     kw = {}
@@ -78,7 +61,6 @@ for name in ("sgdm", "adam"):
     history = model.fit(
         x,
         y,
-        sample_weight=sample_weight,
         batch_size=args.global_batch,
         epochs=2,
         shuffle=False,
@@ -127,6 +109,5 @@ results["dense_params"] = np.array(
     sum(w.numpy().size for w in build_model().weights if "embedding" not in w.path)
 )
 task = os.environ.get("TFSTRAT_TASK", "reference").replace(":", "_")
-task += f"_emulating_{args.emulate_workers}" if args.emulate_workers else ""
 np.savez(os.path.join(args.out, f"{task}.npz"), **results)
 print("wrote", task, "evaluate", {k: v.tolist() for k, v in results.items() if "evaluate" in k})

@@ -7,8 +7,10 @@ rows n_r. Here each replica multiplies its gradient by R n_r and appends n_r to 
 gradient all-reduce; after it the sum is divided by N = sum_r n_r, which gives one device's
 (1/N) sum_i g_i. Regularization and `add_loss` terms (Keras scales them by 1/R too) come out
 as sum_r (n_r/N) reg = reg; `sample_weight` multiplies the per-example losses before Keras's
-mean, so it stays where it was. Losses Keras does not scale (reduction="sum", or a custom loss
-returning a scalar) are weighed by R n_r / N: 1 when the batch splits evenly.
+mean (whose divisor is the element count, as the rows), so it stays exact. A step in which
+Keras scaled no loss (a custom train_step dividing by the global batch itself) is not
+weighted. A loss term Keras does not scale (reduction="sum", a custom loss returning a scalar)
+added to one it does is weighed by R n_r / N: 1 when the batch splits evenly.
 
 Logs. The step's metric states (the loss tracker, compiled metrics, every metric of the model
 whose variables sum across replicas) ride in the same all-reduce, and the step's logs are the
@@ -36,6 +38,7 @@ class _Step(threading.local):
 
     rows = None  # this replica's rows (scalar int32 tensor), while a train_step is traced
     pending = None  # deferred apply_gradients calls (Keras's default train_step), or None
+    scaled = False  # Keras divided a loss by the replica count in this step
     metrics = None  # metrics whose states ride in the gradient all-reduce
     states = None  # their all-reduced states, once the reduce has run
 
@@ -77,15 +80,34 @@ def defer_apply(optimizer) -> None:
     optimizer._tfstrat_deferrable = True
 
 
+def _watch_keras_scaling() -> None:
+    """Notes when Keras divides a loss by the replica count (its mean reductions, regularizers
+    and `add_loss`): only then is the gradient weighted by rows. A custom train_step whose loss
+    is already divided by the global batch (`tf.nn.compute_average_loss`) is left alone."""
+    from keras.src.losses import loss as loss_module
+
+    keras_scale = loss_module.scale_loss_for_distribution
+    if getattr(keras_scale, "_tfstrat", False):
+        return
+
+    def scale_loss_for_distribution(value):
+        _step.scaled = True
+        return keras_scale(value)
+
+    scale_loss_for_distribution._tfstrat = True
+    loss_module.scale_loss_for_distribution = scale_loss_for_distribution
+
+
 def replica_step(model, fn):
     """`fn` (a model's bound train_step), exactly weighted and with global logs."""
+    _watch_keras_scaling()
     default = _is_keras_default_train_step(fn) and hasattr(model.optimizer, "apply_gradients")
     if default:
         defer_apply(model.optimizer)
 
     @functools.wraps(fn)
     def step(*args, **kwargs):
-        _step.rows = _rows_of(args, kwargs)
+        _step.rows, _step.scaled = _rows_of(args, kwargs), False
         _step.pending = [] if default else None
         _step.metrics = _step.states = None
         try:
@@ -101,6 +123,7 @@ def replica_step(model, fn):
             return _logs(model, _step.metrics, _step.states)
         finally:
             _step.rows = _step.pending = _step.metrics = _step.states = None
+            _step.scaled = False
 
     return step
 
@@ -154,7 +177,8 @@ def step_reduce(reduce_sum, stop, replicas: int):
         pairs = list(grads_and_vars)
         have = [i for i, (g, _) in enumerate(pairs) if g is not None]
         context = tf.distribute.get_replica_context()
-        rows, metrics = _step.rows, _step.metrics or []
+        rows = _step.rows if _step.scaled else None
+        metrics = _step.metrics or []
         if not have or context is None or (stop is None and rows is None and not metrics):
             return reduce_sum(pairs)
         grads = [pairs[i][0] for i in have]
