@@ -35,7 +35,7 @@ from tfstrat.keras.callbacks import _publish, _temporary, _unlink
 
 logger = logging.getLogger(__name__)
 
-_installed = False
+_installed = _stock = False
 _saves = [0]  # saves of this process (the same count on every worker): keys the ps exchange
 
 
@@ -43,7 +43,7 @@ def install() -> None:
     """Wraps Keras's `save_model` and `save_weights` (idempotent; no effect without a
     multi-worker tfstrat strategy)."""
     global _installed
-    if _installed:
+    if _installed or _stock:
         return
     import keras
     from keras.src.saving import saving_api
@@ -57,8 +57,9 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    """Restores Keras's own savers (tests compare with them)."""
-    global _installed
+    """Keras's own savers from now on, whatever strategies come (tests measure their race)."""
+    global _installed, _stock
+    _stock = True
     import keras
     from keras.src.saving import saving_api
 
