@@ -92,7 +92,7 @@ m1.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
 keep("first_again", m1)
 results["first_again/evaluate"] = np.array(m1.evaluate(x, y, batch_size=BATCH, verbose=0))
 
-if not args.reference:
+if not args.reference and args.strategy == "collective":  # ParameterServer: not guarded
     other = dict(config.cluster)
     other["worker"] = [f"127.0.0.1:{1 + i}" for i in range(len(other["worker"]))]
     try:

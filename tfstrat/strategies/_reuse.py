@@ -90,3 +90,21 @@ def ring(connect, timeout: float):
         return existing
     _cluster.ring = connect()
     return _cluster.ring
+
+
+_ps_strategies = [0]
+
+
+def ps_prefix() -> str:
+    """A prefix for the ps-shared names of this process's next ParameterServer strategy.
+
+    Variables on a ps are shared by name, and a strategy names them by a counter that starts
+    at each strategy: a second `ParameterServer` of the same process (keras.io's
+    `run_training()` twice) would take the first's variables, trained values included, and
+    their sync state. The first strategy keeps the plain names (a restarted chief finds its
+    variables on the ps); every later one gets its own ("g1/", "g2/"...), the same on every
+    worker because every worker creates its strategies in the same order.
+    """
+    n = _ps_strategies[0]
+    _ps_strategies[0] += 1
+    return f"g{n}/" if n else ""

@@ -30,6 +30,7 @@ from tfstrat.ps import variables as psvars
 from tfstrat.ps.connect import Heartbeat, connect, task_name
 from tfstrat.ps.sync import SyncReplicas
 from tfstrat.reduce.sparse import dedup
+from tfstrat.strategies import _reuse
 from tfstrat.strategies._shuffle import seed_shuffles
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ class _Extended(one_device_strategy.OneDeviceExtended):
         self.num_ps = len(tf_config.addresses("ps"))
         self.placement = psvars.Placement(self.num_ps)
         self._created = 0
+        self._prefix = _reuse.ps_prefix()  # a second strategy's own ps variables
         # Variables whose ps resource has another shape than declared: reported to every
         # task by the agreement before the first step (raising here would leave the others
         # waiting for this task until their timeout).
@@ -67,7 +69,7 @@ class _Extended(one_device_strategy.OneDeviceExtended):
     def shared(self, name, shape, dtype, device, *, initial_value=None, owner=None):
         """A variable shared by every worker; the chief initialises it (or `owner`, if given)."""
         var = psvars.shared_variable(
-            name, shape, dtype, device, strategy=self._container_strategy()
+            self._prefix + name, shape, dtype, device, strategy=self._container_strategy()
         )
         if initial_value is None:
             return var
@@ -119,7 +121,7 @@ class _Extended(one_device_strategy.OneDeviceExtended):
         shape = psvars.static_shape(initial_value, kwargs.get("shape"))
         name = kwargs.get("name") or "Variable"
         self._created += 1
-        shared_name = f"{self._created:05d}_{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}"
+        shared_name = f"{self._prefix}{self._created:05d}_{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}"
         if colocate_with is not None:
             index = psvars.ps_index_of(colocate_with)
         else:
