@@ -25,6 +25,11 @@ FAST = ["gan", "custom_steps", "multi_io", "steps_per_execution", "preprocessing
 # logs read 1/replicas of one device's; the weights are exact.
 SCALED_LOGS = {"gan": ("fit/d_loss", "fit/g_loss"), "custom_steps": ("fit/loss", "evaluate/loss")}
 
+# Known failures, asserted so that a fix shows up here: MirroredNCCL's collectives inside
+# Keras's steps_per_execution while loop get an instance-key placeholder nobody feeds
+# ("while/cond/Placeholder"; CollectiveAllReduce has a counter for that, MirroredNCCL not yet).
+KNOWN_FAILURES = {("mirrored", "steps_per_execution"): "while/cond/Placeholder"}
+
 pytestmark = [pytest.mark.patterns, pytest.mark.cluster]
 
 
@@ -39,6 +44,14 @@ def _check(out, kind, replicas):
     failures = []
     for pattern in FAST:
         result = compare(out, pattern, kind)
+        known = KNOWN_FAILURES.get((kind, pattern))
+        if known is not None:
+            log = open(os.path.join(out, f"{kind}.log")).read()
+            assert result["cell"].startswith("FAIL") and known in log, (
+                f"{pattern} under {kind} no longer fails ({result['cell']}): "
+                "remove it from KNOWN_FAILURES"
+            )
+            continue
         if result["weights"] is None or result["weights"] > TOLERANCE:
             failures.append(f"{pattern}: {result['cell']}")
             continue
@@ -56,7 +69,8 @@ def _check(out, kind, replicas):
 
 @pytest.mark.timeout(420)
 def test_patterns_mirrored_nccl_equal_one_device(out):
-    run_strategy("mirrored", FAST, out)
+    with open(os.path.join(out, "mirrored.log"), "w") as log:
+        run_strategy("mirrored", FAST, out, log)
     _check(out, "mirrored", replicas=2)
 
 

@@ -148,8 +148,7 @@ def multi_io(ctx):
         model.compile(
             optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
             loss={"score": "mse", "label": sparse_ce(), "probe": None},
-            loss_weights={"score": 0.5, "label": 2.0, "probe": 1.0},  # Keras wants one per output
-            metrics={"label": ["accuracy"]},
+            loss_weights=[2.0, 1.0, 0.5],  # label, probe, score: Keras 3.15 wants a list here
         )
     inputs = {"features": x, "extra": extra}
     targets = {"score": target, "label": y}
