@@ -10,12 +10,13 @@ on-read synchronised: their value is an all-reduce), so tfstrat wraps Keras's tw
   directory, flushes it to disk and renames it over the final name (tfstrat's callbacks'
   `_publish`): a reader sees the previous file or the new one, never part of one;
 - the other workers write into a private temporary directory, removed at once: nothing visible;
-- the save then is a synchronisation point: every worker hands in its outcome (one small
-  all-gather over the ring or TensorFlow's collectives; under `ParameterServer`, through ps 0),
-  so when `save` returns on any worker, the chief's file is in place and `load_model` of it
-  reads what was just saved, on every worker (on a file system they share). A chief that
-  failed makes every worker raise, naming it; a chief that never arrives makes the others
-  fail after the strategy's `timeout`, naming it.
+- the chief then hands in its outcome (TensorFlow's coordination service; under
+  `ParameterServer`, ps 0) and goes on; another worker's save waits for the chief's outcome
+  of the same save (its k-th save of that path), so when `save` returns there, the chief's
+  file is in place and `load_model` of it reads what was just saved (on a file system they
+  share). A chief that failed makes the others raise, naming it; a chief that never saves
+  makes them fail after the strategy's `timeout`, naming it. The chief never waits: code
+  that saves on the chief only works as before.
 
 Saves into a directory (`zipped=False`) and sharded weights (`max_shard_size`) are several
 files: the chief writes them in place (not atomically), the others nowhere, with the same
@@ -25,6 +26,7 @@ synchronisation. A model outside any multi-worker strategy saves as Keras does.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -36,7 +38,7 @@ from tfstrat.keras.callbacks import _publish, _temporary, _unlink
 logger = logging.getLogger(__name__)
 
 _installed = _stock = False
-_saves = [0]  # saves of this process (the same count on every worker): keys the ps exchange
+_saves: dict[str, int] = {}  # this worker's saves by path: the k-th save of a path is matched
 
 
 def install() -> None:
@@ -139,53 +141,66 @@ def _task_names(strategy) -> list[str]:
 
 
 def _synchronise(strategy, final: str, error: BaseException | None) -> None:
-    """Every worker hands in its outcome; raises on every worker if the chief's save failed."""
-    _saves[0] += 1
+    """One-sided: the chief hands in its outcome and goes on; another worker waits for the
+    chief's outcome of the same save (its k-th save of this path) and raises if it failed.
+    The chief never waits, so code that saves on the chief only keeps working."""
+    path = os.path.abspath(final)
+    _saves[path] = count = _saves.get(path, 0) + 1
     names = _task_names(strategy)
     me = names[strategy.worker_index]
-    mine = {"path": os.path.abspath(final), "error": None if error is None else repr(error)}
+    key = f"tfstrat-save-{hashlib.sha1(path.encode()).hexdigest()[:16]}-{count}"
+    if strategy.worker_index == 0:
+        _hand_in(strategy, key, {"error": None if error is None else repr(error)})
+        return
     try:
-        everyone = _exchange(strategy, mine, names)
+        chief = _chief_outcome(strategy, key, names)
     except Exception as e:
         raise RuntimeError(
-            f"tfstrat: {me} saving {final}: waiting for the other workers failed ({e}). Every "
-            f"worker saves together and {names[0]} writes the file: call model.save / "
-            "save_weights (or run ModelCheckpoint) on every worker, in the same order."
+            f"tfstrat: {me} saving {final}: {names[0]} did not finish its save number {count} "
+            f"of this path within {_timeout(strategy):g} s ({e}). Only {names[0]} "
+            "writes the file; when other workers save too, every worker must save the same "
+            "paths, in the same order."
         ) from e
-    chief = everyone[0]
-    if chief["path"] != mine["path"] and strategy.worker_index != 0:
-        logger.warning(
-            "tfstrat: %s saved %s while %s saved %s at the same point: only the chief writes, "
-            "so %s was not written. Save to the same path on every worker.",
-            me,
-            final,
-            names[0],
-            chief["path"],
-            final,
-        )
     if error is None and chief["error"] is not None:
         raise RuntimeError(
-            f"tfstrat: {me}: {names[0]} failed to save {chief['path']} ({chief['error']}); "
+            f"tfstrat: {me}: {names[0]} failed to save {path} ({chief['error']}); "
             "its log has the traceback."
         )
 
 
-def _exchange(strategy, mine: dict, names: list[str]) -> list[dict]:
-    """Every worker's `mine`, by worker index."""
+def _timeout(strategy) -> float:
+    return getattr(strategy, "timeout", None) or strategy.extended.timeout
+
+
+def _hand_in(strategy, key: str, outcome: dict) -> None:
     from tfstrat.strategies.collective import CollectiveAllReduce
 
     if isinstance(strategy, CollectiveAllReduce):
-        payloads = strategy._all_gather_bytes(json.dumps(mine).encode())
-        return [json.loads(p) for p in payloads]
+        from tensorflow.python.eager import context
+
+        context.context().set_config_key_value(key, json.dumps(outcome))
+        return
     from tfstrat.ps import variables as psvars
 
-    ext, key = strategy.extended, f"save/{_saves[0]}"
-    psvars.publish(key, ext.worker, mine, strategy)
-    seen = {ext.worker: mine}
-    others = [w for w in range(strategy.num_workers) if w != ext.worker]
+    psvars.publish(key, 0, outcome, strategy)
+
+
+def _chief_outcome(strategy, key: str, names: list[str]) -> dict:
+    """The chief's outcome under `key`, waiting up to the strategy's timeout."""
+    from tfstrat.strategies.collective import CollectiveAllReduce
+
+    ext = strategy.extended
+    if isinstance(strategy, CollectiveAllReduce):
+        from tensorflow.python.eager import context
+
+        # TensorFlow's coordination service (every chief/worker joined it at start-up).
+        value = context.context().get_config_key_value(key, int(_timeout(strategy) * 1000))
+        return json.loads(value)
+    from tfstrat.ps import variables as psvars
+
     where = f"ps:0 at {ext.tf_config.addresses('ps')[0]}"
-    for w, theirs in psvars.read_published(
-        key, others, ext.timeout, lambda w: names[w], where, "save outcome", strategy
+    for _, theirs in psvars.read_published(
+        key, [0], ext.timeout, lambda w: names[w], where, "save outcome", strategy
     ):
-        seen[w] = theirs
-    return [seen[w] for w in range(strategy.num_workers)]
+        return theirs
+    raise AssertionError("unreachable: read_published yields or raises")

@@ -268,6 +268,7 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
                 t = timeout or DEFAULT_TIMEOUT
                 ring_ = _reuse.ring(lambda: self._connect_ring(t), t)
                 self.extended._cross_device_ops.ring = ring_
+        self.timeout = timeout or DEFAULT_TIMEOUT  # waits on other tasks outside collectives
         self._stop = None
         # Models, not ids: a new model can reuse a collected one's id on one worker only.
         self._agreed_models = weakref.WeakSet()
