@@ -109,3 +109,6 @@ def test_hybrid_with_a_ps_and_its_table_lines(tmp_path):
         "(same arguments)."
     ), lines
     assert "movie_bias/embeddings is mirrored but its gradient is sparse" not in log
+    refused = re.findall(r"\[worker:\d\] regularized ps table: refused: (.*)", log)
+    assert len(refused) == 2 and "embeddings_regularizer=" in refused[0], log[-3000:]
+    assert "'reg'" in refused[0] and "sparse=" in refused[0], refused

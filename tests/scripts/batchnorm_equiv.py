@@ -104,6 +104,15 @@ for name, synchronized, steps in RUNS:
             copies = getattr(variable, "values", (variable,))
             results[f"copies/{name}/{layer}/{stat}"] = np.stack([c.numpy() for c in copies])
     model.save_weights(os.path.join(OUT, f"{name}.weights.h5"))  # every worker; the chief writes
+if KIND == "hybrid":  # a ps-held table cannot apply a regularizer of every row: refused
+    try:
+        with strategy.scope():
+            tfstrat.keras.layers.Embedding(VOCAB, 3, embeddings_regularizer="l2", name="reg")(
+                keras.Input((1,), dtype="int32")
+            )
+        print("regularized ps table: accepted")
+    except ValueError as e:
+        print("regularized ps table: refused:", e)
 if chief:  # after the distributed runs: the other workers do not wait for it
     for name, synchronized, steps in RUNS:
         ref, ref_evaluated = train(tf.distribute.get_strategy().scope, synchronized, steps)

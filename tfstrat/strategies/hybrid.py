@@ -117,6 +117,15 @@ class Hybrid(CollectiveAllReduce):
             if not self.ps_addresses:  # placed as sparse, mirrored: no warning for it
                 self._sparse_mirrored.add(f"{layer.name}/embeddings")
             return None
+        if layer.embeddings_regularizer is not None:
+            # The worker holds no copy of a ps-held table, so a regularizer over every row
+            # cannot be computed there; dropping it silently would train another model.
+            raise ValueError(
+                f"Received: embeddings_regularizer={layer.embeddings_regularizer!r} on "
+                f"{layer.name!r}, whose table Hybrid puts on the ps tasks, where a regularizer "
+                "of every row is not applied. Drop the regularizer, or keep this table "
+                f"mirrored: Hybrid(sparse=[...]) without {layer.name!r} (or sparse=[])."
+            )
         from tfstrat.ps.remote import RemoteTable
 
         if self.partitions == "auto":
