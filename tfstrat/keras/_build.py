@@ -40,6 +40,14 @@ def install() -> None:
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         strategy = self._distribute_strategy
+        if strategy is not None and _is_tfstrat(strategy) and _all_built(self):
+            # Nothing to build, so no batch to read. Keras would read one anyway, then drop
+            # the iterator: deleting a MultiDeviceIterator whose background thread is still
+            # prefetching crashes TF 2.21 now and then (SIGSEGV in
+            # MultiDeviceBuffer::BackgroundThread -> DatasetBaseIterator::GetNext, seen with
+            # gdb; about one evaluate in 50 on 2 workers), and the batch's cross-worker mean
+            # is one more collective per fit/evaluate/predict.
+            return None
         if strategy is not None and _is_tfstrat(strategy) and _needs_help(self):
             if data_batch is None and iterator is not None:
                 data_batch, iterator = _first_batch(strategy, iterator), None
@@ -49,6 +57,16 @@ def install() -> None:
 
     TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build
     _installed = True
+
+
+def _all_built(model) -> bool:
+    """What Keras's `_symbolic_build` would build is built (its conditions, Keras 3.15)."""
+    compiled = [getattr(model, "_compile_metrics", None), getattr(model, "_compile_loss", None)]
+    return (
+        all(layer.built for layer in model._flatten_layers())
+        and all(c is None or c.built for c in compiled)
+        and (model.optimizer is None or model.optimizer.built)
+    )
 
 
 def _is_tfstrat(strategy) -> bool:
