@@ -25,10 +25,8 @@ FAST = ["gan", "custom_steps", "multi_io", "steps_per_execution", "preprocessing
 # logs read 1/replicas of one device's; the weights are exact.
 SCALED_LOGS = {"gan": ("fit/d_loss", "fit/g_loss"), "custom_steps": ("fit/loss", "evaluate/loss")}
 
-# Known failures, asserted so that a fix shows up here: MirroredNCCL's collectives inside
-# Keras's steps_per_execution while loop get an instance-key placeholder nobody feeds
-# ("while/cond/Placeholder"; CollectiveAllReduce has a counter for that, MirroredNCCL not yet).
-KNOWN_FAILURES = {("mirrored", "steps_per_execution"): "while/cond/Placeholder"}
+# Patterns known to fail under a strategy: {(strategy, pattern): a text of the failure's log}.
+KNOWN_FAILURES: dict[tuple[str, str], str] = {}
 
 pytestmark = [pytest.mark.patterns, pytest.mark.cluster]
 

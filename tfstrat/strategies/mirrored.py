@@ -11,6 +11,7 @@ from tfstrat.devices import local_devices
 from tfstrat.reduce.collective import SparseAwareAllReduce
 from tfstrat.reduce.sparse import DensityPolicy
 from tfstrat.strategies import _common, _shuffle
+from tfstrat.strategies.collective import _Launcher
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,12 @@ class MirroredNCCL(_common.AdoptsKerasOptimizers, tf.distribute.MirroredStrategy
             self.density,
             collective_keys=extended._collective_keys,
         )
+        for i, launcher in enumerate(ops._launchers):
+            # steps_per_execution > 1: instance keys from a counter (see collective._Launcher);
+            # one counter per replica, so that every replica draws the same sequence of keys.
+            with tf.device(extended._devices[i]):
+                counter = tf.Variable(1 << 30, dtype=tf.int32, trainable=False, name="key")
+            launcher.__class__, launcher.counter = _Launcher, counter
         extended._cross_device_ops = ops
         extended._collective_ops = ops
         extended._communication_options = options
