@@ -6,13 +6,19 @@ Usage:
                                             and 4 logical CPUs (OUT/mirrored_<N>.npz)
     python uneven_equiv.py OUT reference    the reference only
     python uneven_equiv.py OUT collective   a CollectiveAllReduce worker (`tfstrat launch`)
-    python uneven_equiv.py OUT hybrid       a Hybrid worker (`tfstrat launch --ps 1`)
+    python uneven_equiv.py OUT hybrid       a Hybrid worker (`tfstrat launch --ps 1`): also the
+                                            "table_*" models, whose table is on the ps
+    python uneven_equiv.py OUT ps_sync      a ParameterServer(mode="sync") worker (`--ps 1`)
     [--batches 25,30,31]
 
 For each global batch it trains two models for one epoch on 92 examples (so it ends
 with a partial batch: 17, 2 and 30 rows; 2 rows over 3 or 4 replicas leaves some empty):
 "sgdm" (SGD with momentum, plain loss) and "adam" (Adam, per-example sample_weight and an L2
 regularizer). It records the weights, every step's logs (loss, accuracy), and evaluate.
+The reference and Hybrid also train "table_sgd" and "table_adagrad" (sample_weight too): the
+same model with a `tfstrat.keras.layers.Embedding`, whose table Hybrid puts on the ps task in
+2 parts; their weights are set explicitly (a ps-held table draws its own initial values), the
+table is read whole (`layer.embeddings`) and Adagrad's accumulator of the table is recorded.
 """
 
 import argparse
@@ -22,7 +28,7 @@ import numpy as np
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
-parser.add_argument("mode", choices=["reference", "mirrored", "collective", "hybrid"])
+parser.add_argument("mode", choices=["reference", "mirrored", "collective", "hybrid", "ps_sync"])
 parser.add_argument("--batches", default="25,30,31")
 args = parser.parse_args()
 BATCHES = [int(b) for b in args.batches.split(",")]
@@ -35,7 +41,9 @@ import tfstrat  # noqa: E402
 if args.mode == "collective":
     cluster_strategy = tfstrat.CollectiveAllReduce(timeout=60)
 elif args.mode == "hybrid":
-    cluster_strategy = tfstrat.Hybrid(timeout=60)
+    cluster_strategy = tfstrat.Hybrid(partitions=2, timeout=60)
+elif args.mode == "ps_sync":
+    cluster_strategy = tfstrat.ParameterServer(mode="sync", timeout=60)
 else:
     tfstrat.split_cpu(4)
 
@@ -47,10 +55,16 @@ x, y = data(EXAMPLES)
 sample_weight = np.random.default_rng(1).uniform(0.2, 2.0, EXAMPLES).astype("float32")
 
 
-def build(regularized: bool):
+from tfstrat.keras.layers import Embedding  # noqa: E402
+
+PLAIN = ("sgdm", "adam")
+ALL = PLAIN + ("table_sgd", "table_adagrad")
+
+
+def build(regularized: bool, table: bool = False):
     keras.utils.set_random_seed(7)
     inputs = keras.Input((SEQ,), dtype="int32")
-    h = keras.layers.Embedding(VOCAB, 8)(inputs)
+    h = (Embedding if table else keras.layers.Embedding)(VOCAB, 8)(inputs)
     h = keras.layers.Conv1D(8, 3, activation="relu")(h)
     h = keras.layers.Flatten()(h)
     reg = keras.regularizers.L2(1e-2) if regularized else None
@@ -67,15 +81,51 @@ class StepLogs(keras.callbacks.Callback):
         self.rows.append([float(logs["loss"]), float(logs["accuracy"])])
 
 
-def train(strategy, reference: bool) -> dict:
+def set_weights(model):
+    """The same initial weights everywhere (every worker sets the same values)."""
+    rng = np.random.default_rng(3)
+    for layer in model.layers:
+        if isinstance(layer, keras.layers.Embedding):
+            layer.load_own_variables({"0": rng.uniform(-0.05, 0.05, (VOCAB, 8)).astype("f4")})
+            continue
+        for w in layer.weights:
+            w.assign(rng.normal(0.0, 0.3, w.shape).astype("f4"))
+
+
+def weights(model) -> list:
+    """Every weight, a table read whole (from the ps if it is there); no anchor."""
+    out = []
+    for layer in model.layers:
+        if isinstance(layer, keras.layers.Embedding):
+            out.append(np.asarray(layer.embeddings))
+        else:
+            out += [w.numpy() for w in layer.weights]
+    return out
+
+
+def table_accumulator(model):
+    """Adagrad's accumulator of the table, from the ps if it is there."""
+    layer = next(la for la in model.layers if isinstance(la, keras.layers.Embedding))
+    if layer.table_slots is not None:
+        store = {}
+        layer.table_slots.save_own_variables(store)
+        return store["accumulator"]
+    opt = model.optimizer
+    return opt._accumulators[opt._get_variable_index(layer.embeddings)].numpy()
+
+
+def train(strategy, reference: bool, models=PLAIN) -> dict:
     results = {}
     for batch in BATCHES:
-        for name in ("sgdm", "adam"):
-            weighted = name == "adam"
+        for name in models:
+            weighted = name != "sgdm"
+            table = name.startswith("table_")
             with (strategy or tf.distribute.get_strategy()).scope():
-                model = build(regularized=weighted)
+                model = build(regularized=name == "adam", table=table)
+                if table:
+                    set_weights(model)
                 model.compile(
-                    optimizer=optimizer(name, densify=reference),
+                    optimizer=optimizer(name.removeprefix("table_"), densify=reference),
                     loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                     metrics=["accuracy"],
                 )
@@ -91,8 +141,10 @@ def train(strategy, reference: bool) -> dict:
                 callbacks=[steps],
             )
             key = f"{batch}/{name}"
-            for i, w in enumerate(model.weights):
-                results[f"{key}/w{i}"] = w.numpy()
+            for i, w in enumerate(weights(model)):
+                results[f"{key}/w{i}"] = w
+            if name == "table_adagrad":
+                results[f"{key}/accumulator"] = table_accumulator(model)
             results[f"{key}/steps"] = np.array(steps.rows)
             results[f"{key}/iterations"] = np.array(int(model.optimizer.iterations.numpy()))
             results[f"{key}/evaluate"] = np.array(model.evaluate(x, y, batch_size=batch, verbose=0))
@@ -100,7 +152,7 @@ def train(strategy, reference: bool) -> dict:
 
 
 if args.mode in ("reference", "mirrored"):
-    np.savez(os.path.join(args.out, "reference.npz"), **train(None, reference=True))
+    np.savez(os.path.join(args.out, "reference.npz"), **train(None, True, ALL))
 if args.mode == "mirrored":
     devices = [d.name for d in tf.config.list_logical_devices("CPU")]
     for n in (2, 3, 4):
@@ -109,5 +161,6 @@ if args.mode == "mirrored":
         print("done mirrored", n, flush=True)
 elif args.mode != "reference":
     task = os.environ["TFSTRAT_TASK"].replace(":", "_")
-    np.savez(os.path.join(args.out, f"{task}.npz"), **train(cluster_strategy, reference=False))
+    models = ALL if args.mode == "hybrid" else PLAIN
+    np.savez(os.path.join(args.out, f"{task}.npz"), **train(cluster_strategy, False, models))
     print("done", task, flush=True)

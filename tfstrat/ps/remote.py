@@ -8,6 +8,13 @@ parts, and what the layer hands to Keras is the gradient of a scalar "anchor" va
 depends on the pushes. That anchor's gradient is all-reduced with the dense gradients, so when
 any worker's all-reduce completes, every worker's push of the step has been applied on the ps
 (the last push of a step applies it before it returns) and the next lookup sees the new rows.
+
+Uneven batches. Keras divides each replica's local-mean loss by the replica count R, so the
+rows' gradient a replica computes is g_r / R, g_r its local mean over its n_r rows. The push
+multiplies it by R n_r and carries n_r; the ps divides the step's sum by N = sum_r n_r, which
+gives (1/N) sum_i g_i, one device's gradient of the global batch, for any split (as
+`tfstrat.strategies._exact_step` does for the mirrored variables). A step whose loss Keras did
+not scale (a custom train_step) pushes weight 0: the ps sums its pushes unweighted.
 """
 
 from __future__ import annotations
@@ -89,7 +96,7 @@ class RemoteTable:
 
     def __init__(self, clients: TableClients, name, rows, dim, parts, workers, init: dict):
         self.clients, self.name, self.rows, self.dim = clients, name, rows, dim
-        self.parts = parts
+        self.parts, self.replicas = parts, workers
         for ps, number, lo, hi in parts:
             clients.call(
                 ps,
@@ -204,12 +211,14 @@ class RemoteTable:
         rows = [tf.reshape(f.get_value(), [-1, self.dim]) for f in futures]
         return tf.dynamic_stitch(positions, rows)
 
-    def push(self, unique_ids, grads, step, hyper):
+    def push(self, unique_ids, grads, step, hyper, rows=None):
+        """Pushes `grads` (already weighted) and their weight `rows` (None: 0, unweighted)."""
+        rows = tf.constant(0.0) if rows is None else tf.cast(rows, tf.float32)
         positions, local = self._split(unique_ids)
         futures = []
         for (ps, number, _, _), pos, ids_k in zip(self.parts, positions, local):
             g = tf.reshape(tf.gather(grads, pos), [-1])
-            args = [tf.constant(number, tf.int64), step, ids_k, g, hyper]
+            args = [tf.constant(number, tf.int64), step, ids_k, g, hyper, rows]
             futures.append(self.clients.call(ps, "push", args, _I64))
         return tf.add_n([f.get_value() for f in futures])
 
@@ -224,7 +233,8 @@ class RemoteTable:
 
             def grad(d_rows):
                 summed = tf.math.unsorted_segment_sum(d_rows, index, tf.shape(unique)[0])
-                versions = self.push(unique, summed, step_fn(), hyper_fn())
+                summed, rows = self._weighted(summed)
+                versions = self.push(unique, summed, step_fn(), hyper_fn(), rows)
                 done = tf.cast(tf.reshape(versions, []), a.dtype)
                 return tf.zeros_like(a) + 0.0 * done  # 0, once the pushes are done
 
@@ -232,6 +242,18 @@ class RemoteTable:
 
         rows = rows_of(anchor)
         return tf.reshape(rows, tf.concat([tf.shape(ids), [self.dim]], 0))
+
+    def _weighted(self, grads):
+        """(grads * R n_r, n_r) when Keras scaled this step's loss, else (grads, None)."""
+        # Read while the backward pass is traced inside the replica's train_step, where
+        # `_exact_step` has recorded the replica's rows and whether Keras scaled its loss.
+        from tfstrat.strategies._exact_step import _step
+
+        if _step.rows is None or not _step.scaled:
+            return grads, None
+        rows = tf.cast(_step.rows, grads.dtype)
+        # multiply_no_nan: a replica without rows pushes no ids; its weight is 0.
+        return tf.math.multiply_no_nan(grads, rows * self.replicas), rows
 
 
 def optimizer_hyper(optimizer) -> tf.Tensor:

@@ -8,12 +8,20 @@ like the variable; sparse: its indices and rows). A step `s` runs like this:
    the global step already past `s` (a backup that came too late) writes nothing; its gradient
    is stale and counted as dropped.
 3. The chief waits until at least `replicas_to_aggregate` mailboxes hold step `s`, averages
-   those (the ops run on the ps that holds each variable), applies the optimizer once (so the
+   those weighted by rows (below; the ops run on the ps that holds each variable), applies the
+   optimizer once (so the
    optimizer's iteration counter advances once per step), records which workers made it in
    `included`, and then publishes `global_step = s + 1`.
 4. Every worker waits for `global_step > s` before its next step, so the next gradient is
    computed from the new variables. A worker whose fresh gradient was not among those the
    chief took (it arrived after the chief's count) also counts it as dropped.
+
+Weighting. A worker's gradient is the mean over its own n_w rows. It writes g_w * n_w into its
+mailboxes and n_w into `rows[w]`; the chief divides the sum of the gradients it takes by the
+sum of their n_w, so a step's gradient is the mean over the rows of the workers aggregated
+(for all workers: one device's gradient of the global batch, whatever the split; with backup
+workers, of the batches that made it). A step whose loss Keras did not compute (a custom
+train_step) hands in weight 1: the plain mean of the workers' gradients.
 
 Every wait polls a small variable on ps 0 and fails after `timeout` seconds with a message
 naming the step and the workers that did not deliver; nothing blocks inside the ps.
@@ -69,6 +77,14 @@ def poll_until(ready, deadline_s: float, message: list, pause: float = 0.0):
     return tries
 
 
+def _scale(g, weight):
+    # multiply_no_nan: a worker whose slice of a partial last batch is empty has a 0/0 loss.
+    if isinstance(g, tf.IndexedSlices):
+        values = tf.math.multiply_no_nan(g.values, tf.cast(weight, g.values.dtype))
+        return tf.IndexedSlices(values, g.indices, g.dense_shape)
+    return tf.math.multiply_no_nan(g, tf.cast(weight, g.dtype))
+
+
 class SyncReplicas:
     """The shared state of synchronous training and the in-graph steps of its protocol."""
 
@@ -88,6 +104,10 @@ class SyncReplicas:
         self.mail_step = make("mail_step", [n], tf.fill([n], tf.constant(-1, tf.int64)))
         self.included = make("included", [n], tf.fill([n], tf.constant(-1, tf.int64)))
         self.fits = make("fits", [n], tf.zeros([n], tf.int64))  # fits each worker finished
+        # The weight of each worker's mailed gradients (its rows), written before `mail_step`.
+        self.rows = strategy.extended.shared(
+            "sync/rows", [n], tf.float32, device, initial_value=tf.zeros([n], tf.float32)
+        )
         with tf.init_scope():
             self.dropped_count = tf.Variable(0, dtype=tf.int64, trainable=False, name="dropped")
         self._strategy = strategy
@@ -149,7 +169,8 @@ class SyncReplicas:
         return [box.assign(grad, read_value=False)]
 
     def _average(self, var, grad_like, mask, count):
-        """The mean of the gradients in the mailboxes of the workers in `mask`, on var's ps."""
+        """The sum of the (weighted) gradients in the mailboxes of the workers in `mask`,
+        divided by `count` (the sum of their weights), on var's ps."""
         with tf.device(var.device):
             if isinstance(grad_like, tf.IndexedSlices):
                 parts_i, parts_v = [], []
@@ -172,7 +193,9 @@ class SyncReplicas:
                     )
                 )
                 return tf.IndexedSlices(
-                    summed.values / tf.cast(count, var.dtype), summed.indices, summed.dense_shape
+                    tf.math.divide_no_nan(summed.values, tf.cast(count, var.dtype)),
+                    summed.indices,
+                    summed.dense_shape,
                 )
             zeros = lambda: tf.zeros(var.shape, var.dtype)  # noqa: E731
             total = tf.add_n(
@@ -181,13 +204,18 @@ class SyncReplicas:
                     for w, (box,) in enumerate(self._boxes(var, False))
                 ]
             )
-            return total / tf.cast(count, var.dtype)
+            return tf.math.divide_no_nan(total, tf.cast(count, var.dtype))
 
     # -- the step -----------------------------------------------------------------------
 
-    def push(self, grads_and_vars):
-        """Step 2: this worker's gradients into its mailboxes (or counted dropped if stale)."""
+    def push(self, grads_and_vars, rows=None):
+        """Step 2: this worker's gradients into its mailboxes (or counted dropped if stale).
+
+        `rows` (a scalar tensor, or None for weight 1) is the number of rows the gradients are
+        the mean of: they are handed in multiplied by it, and it goes to `rows[w]`.
+        """
         s, w = self._step, self.worker
+        weight = tf.constant(1.0) if rows is None else tf.cast(rows, tf.float32)
         waits = []
         if self.hold:
             waits.append(
@@ -201,7 +229,8 @@ class SyncReplicas:
             fresh = tf.equal(self.global_step.read_value(), s)
 
         def deliver():
-            writes = [op for g, v in grads_and_vars for op in self._write(v, g)]
+            writes = [op for g, v in grads_and_vars for op in self._write(v, _scale(g, weight))]
+            writes.append(self.rows.scatter_update(tf.IndexedSlices(tf.reshape(weight, [1]), [w])))
             with tf.control_dependencies(writes):
                 mailed = self.mail_step.scatter_update(tf.IndexedSlices(tf.reshape(s, [1]), [w]))
             with tf.control_dependencies([mailed]):
@@ -214,7 +243,7 @@ class SyncReplicas:
         return tf.cond(fresh, deliver, drop)
 
     def aggregate(self, grads_and_vars, after):
-        """Step 3 (chief): waits for enough fresh mailboxes; returns their average."""
+        """Step 3 (chief): waits for enough fresh mailboxes; returns their rows-weighted mean."""
         s = self._step
 
         def enough():
@@ -240,7 +269,8 @@ class SyncReplicas:
             )
         with tf.control_dependencies([waited]):  # reads after the wait (not ordered otherwise)
             mask = tf.equal(self.mail_step.read_value(), s)
-        count = tf.reduce_sum(tf.cast(mask, tf.int32))
+            # A worker writes rows[w] before mail_step[w]: these are the masked steps' weights.
+            count = tf.reduce_sum(tf.where(mask, self.rows.read_value(), 0.0))
         averaged = [(self._average(v, g, mask, count), v) for g, v in grads_and_vars]
         record = self.included.assign(tf.where(mask, s, self.included.read_value()))
         return averaged, record

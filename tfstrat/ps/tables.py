@@ -7,7 +7,7 @@ model exists, so the methods are generic over a registry of tables, addressed by
 
     create(table, rows, dim, workers, init)    -> 0     (idempotent; `init` is JSON)
     lookup(table, ids)                         -> rows, flattened
-    push(table, step, ids, grads, hyper)       -> the table's version after this push
+    push(table, step, ids, grads, hyper, rows) -> the table's version after this push
     read(table, lo, hi) / write(table, lo, v)  -> rows lo..hi, flattened / 0
     slots(table)                               -> the numbers of its optimizer slots (SLOTS)
     read_slot(table, slot, lo, hi)             -> rows lo..hi of a slot, flattened
@@ -17,7 +17,12 @@ model exists, so the methods are generic over a registry of tables, addressed by
 
 A table collects the pushes of one step from every worker and, on the last, applies their sum
 with a row-wise (lazy) optimizer update: only the pushed rows of the table and of its slots
-change. SGD and Adagrad updates equal Keras's dense update on the same gradient; Adam's is
+change. Each push carries its rows' gradient already multiplied by its weight and that weight
+(`rows`: the replica's batch rows, `tfstrat.ps.remote`); the sum is divided by the sum of the
+weights, so replicas of unequal batches give the global batch's mean gradient (the same
+weighting `tfstrat.strategies._exact_step` gives mirrored variables) before any optimizer (SGD,
+Adagrad, Adam) or slot sees it. Pushes of weight 0 (a step whose loss Keras did not scale, a
+partition trial) are summed as they are. SGD and Adagrad updates equal Keras's dense update on the same gradient; Adam's is
 the lazy variant (rows not in the batch keep their moments and values).
 
 Checkpoints read and write the slots with the table (`tfstrat.keras.layers.Embedding`), so a
@@ -57,6 +62,7 @@ class Table:
         self.value = tf.Variable(_initial(rows, dim, init), name="table")
         self.slots: dict[str, tf.Variable] = {}
         self.pending: list[tuple[tf.Tensor, tf.Tensor]] = []
+        self.pending_rows = 0.0  # the sum of the pending pushes' weights
         self.pending_step = None
         self.version = 0
         self.lock = threading.Lock()
@@ -64,7 +70,7 @@ class Table:
     def lookup(self, ids):
         return tf.reshape(tf.gather(self.value, ids), [-1])
 
-    def push(self, step, ids, grads, hyper):
+    def push(self, step, ids, grads, hyper, rows):
         grads = tf.reshape(grads, [-1, self.dim])
         with self.lock:
             if self.pending and int(step) != self.pending_step:
@@ -74,14 +80,17 @@ class Table:
                     "Every worker must run the same steps."
                 )
             self.pending.append((ids, grads))
+            self.pending_rows += float(rows)
             self.pending_step = int(step)
             if len(self.pending) == self.workers:
                 all_ids = tf.concat([i for i, _ in self.pending], 0)
                 all_grads = tf.concat([g for _, g in self.pending], 0)
                 unique, index = tf.unique(all_ids)
                 summed = tf.math.unsorted_segment_sum(all_grads, index, tf.shape(unique)[0])
+                if self.pending_rows > 0:  # the global batch's mean, as one device computes it
+                    summed = summed / tf.constant(self.pending_rows, summed.dtype)
                 self._apply(unique, summed, hyper.numpy(), int(step))
-                self.pending = []
+                self.pending, self.pending_rows = [], 0.0
                 self.version += 1
             return self.version
 
@@ -218,8 +227,15 @@ def serve_tables(address: str):
         "push",
         # A NumPy scalar, not a Python int: TF 2.21 keeps every distinct Python scalar it
         # converts to an eager tensor, and the version grows each step (0.75 KB per step).
-        lambda t, s, ids, g, h: np.array(registry.get(t).push(s, ids, g, h), np.int64),
-        [spec([], i64), spec([], i64), spec([None], i64), spec([None], f32), spec([6], f32)],
+        lambda t, s, ids, g, h, n: np.array(registry.get(t).push(s, ids, g, h, n), np.int64),
+        [
+            spec([], i64),
+            spec([], i64),
+            spec([None], i64),
+            spec([None], f32),
+            spec([6], f32),
+            spec([], f32),
+        ],
         i64,
     )
     method("read", registry.read, [spec([], i64), spec([], i64), spec([], i64)], f32)

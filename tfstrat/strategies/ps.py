@@ -6,9 +6,12 @@ each worker process connects its eager context to the ps tasks (fact 4) and trai
 name. The strategy is a one-replica strategy per worker: the forward and backward pass run on
 the worker, reads and optimizer updates run on the ps that holds each variable.
 
-- `mode="async"`: every worker applies its own gradient as soon as it has it.
-- `mode="sync"`: each step averages the gradients of `replicas_to_aggregate` workers and
-  applies them once (`tfstrat.ps.sync`); later gradients of that step are dropped and counted.
+- `mode="async"`: every worker applies its own gradient (the mean over its own rows) as soon
+  as it has it: per worker, so slices of unequal rows are not weighted against each other.
+- `mode="sync"`: each step takes the gradients of `replicas_to_aggregate` workers, weighs each
+  by its rows (the mean over the rows of those workers: with every worker, one device's
+  gradient of the global batch however it splits) and applies them once (`tfstrat.ps.sync`);
+  later gradients of that step are dropped and counted.
 
 Metrics and Keras's random-seed state stay on the worker: logs are per worker.
 """
@@ -30,7 +33,7 @@ from tfstrat.ps import variables as psvars
 from tfstrat.ps.connect import Heartbeat, connect, task_name
 from tfstrat.ps.sync import SyncReplicas
 from tfstrat.reduce.sparse import dedup
-from tfstrat.strategies import _reuse
+from tfstrat.strategies import _exact_step, _reuse
 from tfstrat.strategies._shuffle import seed_shuffles
 
 logger = logging.getLogger(__name__)
@@ -303,10 +306,18 @@ class ParameterServer(distribute_lib.Strategy):
             args = self._slice(args)
         if self.sync is not None and step == "train_step":
             inner = fn
+            _exact_step._watch_keras_scaling()
 
             def fn(*a, **k):
-                with tf.control_dependencies([self.sync.begin_step()]):
-                    return inner(*a, **k)
+                # The worker's rows, for the rows weighting of its gradient (`push`), and
+                # whether Keras computed the mean loss they weigh (`_exact_step._step`).
+                state = _exact_step._step
+                state.rows, state.scaled = _exact_step._rows_of(a, k), False
+                try:
+                    with tf.control_dependencies([self.sync.begin_step()]):
+                        return inner(*a, **k)
+                finally:
+                    state.rows, state.scaled = None, False
 
         return super().run(fn, args=args, kwargs=kwargs, options=options)
 
@@ -427,7 +438,8 @@ class ParameterServer(distribute_lib.Strategy):
                 optimizer.build(variables)
             pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
             tf_pairs = [(g, v.value) for g, v in pairs]
-            delivered = sync.push(tf_pairs)
+            state = _exact_step._step
+            delivered = sync.push(tf_pairs, state.rows if state.scaled else None)
             if not is_chief:
                 return sync.finish([delivered])
             averaged, record = sync.aggregate(tf_pairs, delivered)
