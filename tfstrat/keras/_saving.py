@@ -25,6 +25,7 @@ synchronisation. A model outside any multi-worker strategy saves as Keras does.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -32,6 +33,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 
 from tfstrat.keras.callbacks import _publish, _temporary, _unlink
 
@@ -83,8 +85,23 @@ def _multi_worker(model):
     return strategy if isinstance(strategy, (CollectiveAllReduce, ParameterServer)) else None
 
 
+_own = threading.local()
+
+
+@contextlib.contextmanager
+def as_keras_does():
+    """Saves inside run as Keras's own: tfstrat's callbacks already write atomically, on the
+    chief only, each worker to its own path (a non-chief's path would never match the
+    chief's, so waiting for the chief's matching save would wait forever)."""
+    _own.depth = getattr(_own, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _own.depth -= 1
+
+
 def _save(original, kind, model, filepath, overwrite=True, *args, **kwargs):
-    strategy = _multi_worker(model)
+    strategy = None if getattr(_own, "depth", 0) else _multi_worker(model)
     if strategy is None:
         return original(model, filepath, overwrite, *args, **kwargs)
     final = os.fspath(filepath)

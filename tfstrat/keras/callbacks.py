@@ -168,8 +168,11 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         return _temporary(final)
 
     def _save_model(self, epoch, batch, logs):
+        from tfstrat.keras._saving import as_keras_does
+
         self._final = None
-        super()._save_model(epoch, batch, logs)
+        with as_keras_does():  # atomic and chief-only already
+            super()._save_model(epoch, batch, logs)
         if self._final and os.path.exists(_temporary(self._final)):
             _publish(_temporary(self._final), self._final)
 
@@ -370,6 +373,12 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
 
     def _save(self, epoch: int, done: int) -> None:
         """Backs up the state after `done` batches of `epoch` (only the chief's is kept)."""
+        from tfstrat.keras._saving import as_keras_does
+
+        with as_keras_does():  # atomic and chief-only already
+            self._save_backup(epoch, done)
+
+    def _save_backup(self, epoch: int, done: int) -> None:
         if not _is_chief(self.model):
             self.model.save_weights(os.path.join(self._scratch.get(), "latest.weights.h5"))
             return
