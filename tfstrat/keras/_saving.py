@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import json
 import logging
 import os
@@ -40,7 +39,7 @@ from tfstrat.keras.callbacks import _publish, _temporary, _unlink
 logger = logging.getLogger(__name__)
 
 _installed = _stock = False
-_saves: dict[str, int] = {}  # this worker's saves by path: the k-th save of a path is matched
+_saves: dict[str, int] = {}  # this worker's saves: its k-th save waits for the chief's k-th
 
 
 def install() -> None:
@@ -162,10 +161,12 @@ def _synchronise(strategy, final: str, error: BaseException | None) -> None:
     chief's outcome of the same save (its k-th save of this path) and raises if it failed.
     The chief never waits, so code that saves on the chief only keeps working."""
     path = os.path.abspath(final)
-    _saves[path] = count = _saves.get(path, 0) + 1
+    # Matched by count, not path: Keras's multi-worker guide has non-chiefs save to paths of
+    # their own (a temporary directory each), at the same points as the chief.
+    _saves["all"] = count = _saves.get("all", 0) + 1
     names = _task_names(strategy)
     me = names[strategy.worker_index]
-    key = f"tfstrat-save-{hashlib.sha1(path.encode()).hexdigest()[:16]}-{count}"
+    key = f"tfstrat-save-{count}"
     if strategy.worker_index == 0:
         _hand_in(strategy, key, {"error": None if error is None else repr(error)})
         return
@@ -174,9 +175,9 @@ def _synchronise(strategy, final: str, error: BaseException | None) -> None:
     except Exception as e:
         raise RuntimeError(
             f"tfstrat: {me} saving {final}: {names[0]} did not finish its save number {count} "
-            f"of this path within {_timeout(strategy):g} s ({e}). Only {names[0]} "
-            "writes the file; when other workers save too, every worker must save the same "
-            "paths, in the same order."
+            f"within {_timeout(strategy):g} s ({e}). Only {names[0]} "
+            "writes the file; when other workers save too, each must save as often as the "
+            "chief, at the same points (to any path)."
         ) from e
     if error is None and chief["error"] is not None:
         raise RuntimeError(
