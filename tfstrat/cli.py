@@ -238,6 +238,8 @@ def _cmd_server(args) -> int:
 
 
 def _cmd_bench(args) -> int:
+    from tfstrat.bench._report import UnknownRows
+
     workers = [int(w) for w in _csv(args.workers) if w.isdigit()]
     if not workers or min(workers) < 1 or len(workers) != len(_csv(args.workers)):
         print(f"tfstrat bench: --workers {args.workers!r} must list counts >= 1", file=sys.stderr)
@@ -268,9 +270,14 @@ def _cmd_bench(args) -> int:
             peer=args.peer,
             threads=args.threads_per_worker,
             out=args.out,
+            rows=_csv(args.rows) if args.rows else None,
             **sizes,
         )
-        rows = run_sparse(config)
+        try:
+            rows = run_sparse(config)
+        except UnknownRows as e:
+            print(e, file=sys.stderr)
+            return EXIT_USAGE
         ok = all("error" not in r for r in rows if not r["row"].startswith("S"))
     else:
         from tfstrat.bench.scaling import ScalingConfig
@@ -289,8 +296,13 @@ def _cmd_bench(args) -> int:
             peer=args.peer,
             threads=args.threads_per_worker,
             out=args.out,
+            rows=_csv(args.rows) if args.rows else None,
         )
-        rows = run_scaling(config)
+        try:
+            rows = run_scaling(config)
+        except UnknownRows as e:
+            print(e, file=sys.stderr)
+            return EXIT_USAGE
         ok = all("error" not in r for r in rows if not r["row"].startswith("S"))
     with open(f"{args.out}/{args.name}.md") as f:
         print(f.read())
@@ -455,6 +467,11 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("Output")
     g.add_argument("--peer", action="store_true", default=_env("peer", False, bool))
     g.add_argument("--quick", action="store_true", help="tiny sizes, for smoke tests")
+    g.add_argument(
+        "--rows",
+        default=_env("rows"),
+        help="scaling/sparse: only these row ids, e.g. P-1,A-1,B-2 (default: every row)",
+    )
     g.add_argument("--out", default=_env("out", "bench-out"), help="directory for NAME.md/json/png")
     p.set_defaults(run=_cmd_bench)
 

@@ -31,6 +31,41 @@ PS_STRATEGIES = ("tfkeras-ps", "ps-sync", "ps-async", "hybrid")
 TFSTRAT_STRATEGIES = ("mirrored", "collective", "ps-sync", "ps-async", "hybrid")
 
 
+TUNED = {"TF_CPU_ALLOCATOR_USE_BFC": "true"}
+
+
+def with_tuned_peers(rows: list[tuple]) -> list[tuple]:
+    """`rows` (id, label, strategy, ..., env last) with a "stock, tuned" twin after each peer
+    row: the same peer given the CPU allocator tfstrat gives its own tasks (`tfstrat._runtime`),
+    so a table shows both what a user gets out of the box and the like-for-like comparison."""
+    out = []
+    for row in rows:
+        out.append(row)
+        if not str(row[2]).startswith(TFSTRAT_STRATEGIES) and row[2] != "none":
+            rid, label, *middle, env = row
+            out.append((f"{rid}t", f"{label}, tuned (BFC allocator)", *middle, {**(env or {}), **TUNED}))
+    return out
+
+
+class UnknownRows(ValueError):
+    """`--rows` named a row the benchmark does not have."""
+
+
+def select(rows: list[dict], wanted: Sequence[str] | None) -> list[dict]:
+    """The rows whose ids are in `wanted` (all when None), in table order; an unknown id is an
+    UnknownRows error that lists the ids there are."""
+    if not wanted:
+        return rows
+    ids = [r["row"] for r in rows]
+    unknown = [w for w in wanted if w not in ids]
+    if unknown:
+        raise UnknownRows(
+            f"tfstrat bench: --rows {','.join(unknown)}: no such row here. "
+            f"Rows: {','.join(ids)} (--peer adds the stock ones)"
+        )
+    return [r for r in rows if r["row"] in wanted]
+
+
 def ps_tasks(strategy: str) -> int:
     """ps tasks a benchmark row's cluster needs: one for the parameter-server strategies."""
     return 1 if strategy in PS_STRATEGIES else 0
@@ -52,7 +87,8 @@ def run_row(
     A row that fails (a stock peer that crashes, say) returns `{"error": "..."}` naming the
     first line of the failure, so the table can say how it failed.
     """
-    if not str(config.get("strategy", "")).startswith(TFSTRAT_STRATEGIES):
+    peer = not str(config.get("strategy", "")).startswith(TFSTRAT_STRATEGIES)
+    if peer and "TF_CPU_ALLOCATOR_USE_BFC" not in (env or {}):
         # A peer row runs as a user without tfstrat would: TensorFlow's own CPU allocator, not
         # the one `import tfstrat` picks for this process and its tasks (`tfstrat._runtime`).
         env = {**(env or {}), "TFSTRAT_CPU_ALLOCATOR": "default"}

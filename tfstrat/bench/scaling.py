@@ -32,6 +32,7 @@ class ScalingConfig:
     peer: bool = False
     threads: int | None = None  # intra-op threads per worker process; None: cores / max workers
     out: str = "bench-out"
+    rows: Sequence[str] | None = None  # row ids to run (None: all)
 
 
 def _resolve(config: ScalingConfig, machine: dict) -> ScalingConfig:
@@ -88,12 +89,8 @@ def _rows(c: ScalingConfig, cpus: int) -> list[dict]:
             )
             for w in c.workers
         ]
-    return [
-        dict(
-            zip(("row", "label", "strategy", "workers", "devices_per_worker", "threads", "env"), r)
-        )
-        for r in rows
-    ]
+    keys = ("row", "label", "strategy", "workers", "devices_per_worker", "threads", "env")
+    return _report.select([dict(zip(keys, r)) for r in _report.with_tuned_peers(rows)], c.rows)
 
 
 def run(config: ScalingConfig) -> list[dict]:
@@ -133,7 +130,9 @@ def run(config: ScalingConfig) -> list[dict]:
 
 
 def _derive(rows: list[dict]):
-    """Speed vs A-1 and A-2, and scaling efficiency, all from examples/s."""
+    """Speed vs P-1, A-1 and A-2, and scaling efficiency, all from examples/s: against one
+    tfstrat worker (B-1, else A-2), and against one plain process (P-1), which also charges
+    the strategy's own cost on one core."""
     rate = {r["row"]: r.get("examples_per_s") for r in rows}
     one_worker = rate.get("B-1") or rate.get("A-2")
     for r in rows:
@@ -143,6 +142,8 @@ def _derive(rows: list[dict]):
         r["vs_A2"] = x / rate["A-2"] if x and rate.get("A-2") else None
         if x and one_worker and r["row"].startswith("B-"):
             r["efficiency"] = x / (r["workers"] * one_worker)
+        if x and rate.get("P-1") and r["row"] != "P-all":
+            r["efficiency_P1"] = x / (r["workers"] * rate["P-1"])
 
 
 def _fmt(x, spec):
@@ -162,12 +163,13 @@ def table(rows: Sequence[dict], c: ScalingConfig) -> str:
         "vs A-1",
         "vs A-2",
         "efficiency",
+        "efficiency vs P-1",
     ]
     body = []
     for r in rows:
         lead = [r["row"], r["label"], r["workers"], r["devices_per_worker"], r["total_devices"]]
         if "error" in r:
-            body.append([*lead, "-", f"failed: {r['error'][:120]}", "-", "-", "-", "-"])
+            body.append([*lead, "-", f"failed: {r['error'][:120]}", "-", "-", "-", "-", "-"])
             continue
         body.append(
             [
@@ -178,6 +180,7 @@ def table(rows: Sequence[dict], c: ScalingConfig) -> str:
                 _fmt(r["vs_A1"], ".2f"),
                 _fmt(r["vs_A2"], ".2f"),
                 _fmt(r.get("efficiency"), ".0%"),
+                _fmt(r.get("efficiency_P1"), ".0%"),
             ]
         )
     m = rows[0]["machine"] if rows else {}
@@ -188,7 +191,10 @@ def table(rows: Sequence[dict], c: ScalingConfig) -> str:
         f"pools (intra-op and inter-op) per process, so each process keeps at most {c.threads} "
         f"core(s) busy (row P-all: {m.get('cpus')}). Machine: {m.get('cpus')} CPUs, "
         f"{m.get('gpus')} GPUs, TensorFlow {m.get('tensorflow')}, Keras {m.get('keras')}. "
-        "Speed-ups and efficiency use examples/s; efficiency(W) = ex/s(W) / (W x ex/s(B-1))."
+        "Speed-ups and efficiency use examples/s; efficiency(W) = ex/s(W) / (W x ex/s(B-1)); "
+        "efficiency vs P-1 = ex/s / (W x ex/s(P-1)), which also counts what a strategy costs "
+        "on one core. Rows ending in t (\"tuned\") run the stock row again with the CPU "
+        "allocator tfstrat gives its own tasks (TF_CPU_ALLOCATOR_USE_BFC=true)."
     )
     return _report.markdown(headers, body) + "\n" + notes
 

@@ -32,6 +32,7 @@ class SparseConfig:
     peer: bool = False
     threads: int | None = None
     out: str = "bench-out"
+    rows: Sequence[str] | None = None  # row ids to run (None: all)
 
 
 def _rows(c: SparseConfig, cpus: int) -> list[dict]:
@@ -67,7 +68,7 @@ def _rows(c: SparseConfig, cpus: int) -> list[dict]:
             for w in c.workers
         ]
     keys = ("row", "label", "strategy", "workers", "threads", "env")
-    return [dict(zip(keys, r)) for r in rows]
+    return _report.select([dict(zip(keys, r)) for r in _report.with_tuned_peers(rows)], c.rows)
 
 
 def run(config: SparseConfig) -> list[dict]:
@@ -98,9 +99,13 @@ def run(config: SparseConfig) -> list[dict]:
         row.update(result, machine=machine, table_bytes=table_bytes)
         speed = f"{row['examples_per_s']:,.0f} ex/s" if "examples_per_s" in row else row["error"]
         logger.info("[%d/%d] %s %s: %s", i, len(rows), row["row"], row["label"], speed)
-    one = rows[0].get("examples_per_s")
+    rate = {r["row"]: r.get("examples_per_s") for r in rows}
+    one = rate.get("P-1")
     for r in rows:
-        r["vs_P1"] = r["examples_per_s"] / one if one and "examples_per_s" in r else None
+        x = r.get("examples_per_s")
+        r["vs_P1"] = x / one if one and x else None
+        if x and one and r["row"] != "P-all":
+            r["efficiency_P1"] = x / (r["workers"] * one)
     _report.write(config.out, "sparse", rows, table(rows, config), _plot)
     return rows
 
@@ -112,6 +117,7 @@ def table(rows, c: SparseConfig) -> str:
         "workers",
         "examples/s (min-max)",
         "vs P-1",
+        "efficiency vs P-1",
         "bytes sent/step/worker",
         "% of table",
         "final loss",
@@ -121,7 +127,7 @@ def table(rows, c: SparseConfig) -> str:
     for r in rows:
         if "error" in r:
             body.append(
-                [r["row"], r["label"], r["workers"], f"failed: {r['error'][:120]}"] + ["-"] * 5
+                [r["row"], r["label"], r["workers"], f"failed: {r['error'][:120]}"] + ["-"] * 6
             )
             continue
         sent = r.get("bytes_sent_per_step")
@@ -131,7 +137,8 @@ def table(rows, c: SparseConfig) -> str:
                 r["label"],
                 r["workers"],
                 f"{r['examples_per_s']:,.0f} ({r['examples_per_s_min']:,.0f}-{r['examples_per_s_max']:,.0f})",
-                f"{r['vs_P1']:.2f}",
+                f"{r['vs_P1']:.2f}" if r["vs_P1"] is not None else "-",
+                f"{r['efficiency_P1']:.0%}" if r.get("efficiency_P1") else "-",
                 f"{sent:,.0f}" if sent is not None else "not measured",
                 f"{100 * sent / r['table_bytes']:.2f}%" if sent is not None else "-",
                 f"{r['final_loss']:.4f}",
@@ -150,7 +157,9 @@ def table(rows, c: SparseConfig) -> str:
         "head's weights and gradients too). Keras 3 rows use tfstrat.keras.layers.Embedding. "
         f"Threads: {rows[0]['threads'] if rows else '?'} in each of TensorFlow's pools per process (row P-all: "
         f"{m.get('cpus')}). Machine: {m.get('cpus')} CPUs, TensorFlow "
-        f"{m.get('tensorflow')}, Keras {m.get('keras')}."
+        f"{m.get('tensorflow')}, Keras {m.get('keras')}. Efficiency vs P-1 = ex/s / "
+        "(workers x ex/s(P-1)). Rows ending in t (\"tuned\") run the stock row again with the "
+        "CPU allocator tfstrat gives its own tasks (TF_CPU_ALLOCATOR_USE_BFC=true)."
     )
 
 
