@@ -76,9 +76,6 @@ def test_mirrored_one_cpu_device_reads_input_through_a_plain_iterator(probes):
     assert report["iterators"]["mirrored"] == "OwnedIterator", report
 
 
-@pytest.mark.xfail(
-    strict=True, reason="until collective._distribute passes _common.plain_input_options"
-)
 def test_collective_one_cpu_device_reads_input_through_a_plain_iterator(probes):
     report, _ = probes["default"]
     assert report["iterators"]["car"] == "OwnedIterator", report

@@ -28,7 +28,7 @@ def machine() -> dict:
 
 PS_STRATEGIES = ("tfkeras-ps", "ps-sync", "ps-async", "hybrid")
 # Rows that run a tfstrat strategy; the others are peers (no strategy, stock, tf-keras).
-TFSTRAT_STRATEGIES = ("mirrored", "collective", "ps-sync", "ps-async", "hybrid")
+TFSTRAT_STRATEGIES = ("mirrored", "collective", "ps-sync", "ps-async", "hybrid", "localsgd")
 
 
 TUNED = {"TF_CPU_ALLOCATOR_USE_BFC": "true"}
@@ -36,12 +36,13 @@ TUNED = {"TF_CPU_ALLOCATOR_USE_BFC": "true"}
 
 def with_tuned_peers(rows: list[tuple]) -> list[tuple]:
     """`rows` (id, label, strategy, ..., env last) with a "stock, tuned" twin after each peer
-    row: the same peer given the CPU allocator tfstrat gives its own tasks (`tfstrat._runtime`),
-    so a table shows both what a user gets out of the box and the like-for-like comparison."""
+    row (P-1 and the stock ones): the same peer given the CPU allocator tfstrat gives its own
+    tasks (`tfstrat._runtime`), so a table shows both what a user gets out of the box and the
+    like-for-like comparison."""
     out = []
     for row in rows:
         out.append(row)
-        if not str(row[2]).startswith(TFSTRAT_STRATEGIES) and row[2] != "none":
+        if not str(row[2]).startswith(TFSTRAT_STRATEGIES) and row[0] != "P-all":
             rid, label, *middle, env = row
             out.append((f"{rid}t", f"{label}, tuned (BFC allocator)", *middle, {**(env or {}), **TUNED}))
     return out

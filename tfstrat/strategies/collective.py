@@ -118,6 +118,16 @@ class _Extended(_cars.CollectiveAllReduceExtended):
             options.experimental_replication_mode == distribute_lib.InputReplicationMode.PER_REPLICA
         )
         sliceable = all(isinstance(s, tf.TensorSpec) and s.shape.rank for s in specs)
+        plain = _common.plain_input_options(self.worker_devices, options)
+        if workers == 1 and plain is not None:  # one CPU device: a plain iterator on the host
+            return input_util.get_distributed_dataset(
+                dataset,
+                self._input_workers_with_options(),
+                self._container_strategy(),
+                num_replicas_in_sync=1,
+                input_context=self._make_input_context(),
+                options=plain,
+            )
         if workers == 1 or per_replica or len(self.worker_devices) != 1 or not sliceable:
             _log_once(
                 "input",
@@ -149,7 +159,7 @@ class _Extended(_cars.CollectiveAllReduceExtended):
                 self._container_strategy(),
                 num_replicas_in_sync=None,
                 input_context=self._make_input_context(),
-                options=options,
+                options=plain or options,
             )
         finally:
             self.experimental_enable_get_next_as_optional = saved
