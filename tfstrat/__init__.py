@@ -25,6 +25,7 @@ _LAZY = {
     "CollectiveAllReduce": "tfstrat.strategies.collective",
     "ParameterServer": "tfstrat.strategies.ps",
     "Hybrid": "tfstrat.strategies.hybrid",
+    "LocalSGD": "tfstrat.strategies.localsgd",
 }
 
 __all__ = [

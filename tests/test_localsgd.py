@@ -1,0 +1,141 @@
+"""LocalSGD and DiLoCo (issue 17): real worker processes started by `tfstrat launch`.
+
+One launch runs every scenario of tests/scripts/localsgd_run.py in sequence (each under its
+own strategy: the process's cluster and TCP ring are reused), and one plain-Keras process
+computes the single-device reference and loads the chief's checkpoint without tfstrat.
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
+sys.path.insert(0, SCRIPTS)
+from cluster import RUN_TIMEOUT, launch_script, run_script  # noqa: E402
+from common import relative_errors  # noqa: E402
+
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def cluster_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("localsgd")
+    code, log = launch_script("localsgd_run.py", str(out), workers=2)
+    assert code == 0, log[-6000:]
+    run_script("localsgd_run.py", str(out), "--plain")
+    reports = [json.loads((out / f"worker_{i}.json").read_text()) for i in range(2)]
+    arrays = [np.load(out / f"worker_{i}.npz") for i in range(2)]
+    return out, reports, arrays, np.load(out / "plain.npz"), log
+
+
+def _series(npz, name):
+    keys = sorted((k for k in npz.files if k.startswith(f"{name}/w")), key=lambda k: int(k[len(name) + 2 :]))
+    return [npz[k] for k in keys]
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(RUN_TIMEOUT + 120)
+def test_sync_every_1_equals_single_device(cluster_run):
+    _, reports, arrays, plain, log = cluster_run
+    assert "tfstrat: LocalSGD, sync every 1 step(s), plain averaging" in log
+    reference = _series(plain, "sync1")
+    for i, a in enumerate(arrays):
+        errs = relative_errors(_series(a, "sync1"), reference)
+        assert max(errs) <= TOLERANCE, (i, errs)
+        assert reports[i]["sync1"]["iterations"] == 40
+
+
+@pytest.mark.cluster
+def test_sync_every_8_workers_end_identical_and_plain_keras_loads_the_checkpoint(cluster_run):
+    _, reports, arrays, plain, _ = cluster_run
+    w0, w1 = _series(arrays[0], "sync8"), _series(arrays[1], "sync8")
+    assert max(float(np.abs(a - b).max()) for a, b in zip(w0, w1)) == 0.0  # BN statistics too
+    loaded = _series(plain, "sync8")
+    assert len(loaded) == len(w0)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(loaded, w0)) == 0.0
+    report = reports[0]["sync8"]
+    assert report["iterations"] == 40  # steps_per_execution=3: no step lost or repeated
+    assert report["state"] == {"since_sync": 0}  # the end of fit synced
+    # Per epoch of 20 steps: syncs after steps 8 and 16 and at the epoch's end, the stop
+    # agreement at the epoch's end, and Keras reading and resetting its 2 metrics' 2 states
+    # at the epoch's ends (4 + 4 scalars, as under CollectiveAllReduce); the model agreement's
+    # 2 gathers once. Nothing in the other 17 steps of an epoch.
+    assert report["ring_calls"] == 2 * (3 + 1 + 4 + 4) + 2, report
+
+
+@pytest.mark.cluster
+def test_bytes_per_step_drop_with_sync_every(cluster_run):
+    _, reports, _, _, _ = cluster_run
+    sent = reports[0]["bytes"]["per_step"]
+    params_bytes = 4 * reports[0]["bytes"]["params"]
+    assert sent["4"] < sent["1"] / 3, sent
+    assert sent["16"] < sent["4"] / 2, sent
+    # sync_every=1 moves what CollectiveAllReduce does (one all-reduce of the weights or the
+    # gradients a step); both at least the ring's 2(n-1)/n x size = size on 2 workers, sent
+    # and received.
+    assert 0.8 * sent["collective"] < sent["1"] < 1.25 * sent["collective"], sent
+    assert sent["1"] >= 1.9 * params_bytes, sent
+
+
+@pytest.mark.cluster
+def test_diloco_on_digits_within_2_points_of_collective(cluster_run):
+    _, reports, _, _, _ = cluster_run
+    acc = reports[0]["digits"]
+    assert acc["collective"] > 0.9, acc
+    assert acc["diloco"] >= acc["collective"] - 0.02, acc
+    assert acc["state"]["since_sync"] == 0 and acc["state"]["outer_iterations"] > 0, acc
+    assert reports[1]["digits"]["diloco"] == acc["diloco"]  # one model on both workers
+
+
+@pytest.mark.cluster
+def test_backup_and_restore_resume_is_exact(cluster_run):
+    _, reports, _, _, _ = cluster_run
+    for r in reports:
+        resume = r["resume"]
+        assert resume["epochs"] == [0, 1, 2, 3], resume  # the second fit resumed at epoch 2
+        assert resume["max_diff"] == 0.0, resume  # weights, slots, outer slots, period
+        assert resume["state"]["since_sync"] == 0
+
+
+@pytest.mark.cluster
+@pytest.mark.faults
+def test_workers_with_different_outer_optimizers_are_refused_at_start():
+    code, log = launch_script("localsgd_agree.py", workers=2)
+    assert code != 0, log[-3000:]
+    assert "not refused" not in log
+    assert "worker:1 has outer_optimizer=" in log and "worker:0 (the chief) has" in log, log[-3000:]
+    assert "Create the strategy with the same arguments on every task." in log
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"sync_every": 0}, "Received: sync_every=0."),
+        ({"sync_every": 2.5}, "Received: sync_every=2.5."),
+        ({"sync_every": True}, "Received: sync_every=True."),
+        ({"outer_optimizer": "adam"}, "Received: outer_optimizer='adam'."),
+        ({"outer_optimizer": object()}, "The outer optimizer must be a Keras optimizer"),
+        ({"outer_optimizer": {"config": {}}}, "A dict must be"),
+        ({"sync_slots": "yes"}, "Received: sync_slots='yes'."),
+        ({"timeout": 0}, "Received: timeout=0."),
+    ],
+)
+def test_bad_arguments_name_the_value_and_the_fix(kwargs, words):
+    from tfstrat.strategies.localsgd import _check_arguments, _outer_config
+
+    args = {"sync_every": 8, "outer_optimizer": None, "sync_slots": False, "timeout": 300}
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(".", r"\.")):
+        _check_arguments(**args)
+        _outer_config(args["outer_optimizer"])
+
+
+def test_auto_never_picks_localsgd():
+    import inspect
+
+    from tfstrat.strategies import auto
+
+    assert "LocalSGD" not in inspect.getsource(auto)
