@@ -187,6 +187,7 @@ def test_sigterm_to_the_launcher_stops_tasks_gracefully_and_exits_143():
             "launch",
             "--workers=2",
             "--restarts=2",
+            "--show=all",  # both tasks' lines are read
             "--",
             PY,
             "-c",

@@ -161,6 +161,8 @@ def _cli_launch(script):
         "2",
         "--timeout",
         "100",
+        "--show",
+        "all",  # both tasks' lines are read
         "--",
         PY,
         "-c",

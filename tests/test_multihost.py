@@ -247,7 +247,7 @@ def test_multi_node_launcher_once_per_host(net, reference, tmp_path):
             rank,
             [sys.executable, "-m", "tfstrat", "launch", "--nodes", nodes, "--node-rank",
              str(rank), "--workers-per-node", "2", "--ps-per-node", "1,0", "--port", str(PORT),
-             "--threads-per-task", "1", "--timeout", str(TASK_TIMEOUT), "--",
+             "--threads-per-task", "1", "--timeout", str(TASK_TIMEOUT), "--show", "all", "--",
              sys.executable, "multihost_train.py", str(tmp_path), "--model", "hybrid"],
             env={"PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2"},
             name=f"launcher node {rank}",

@@ -201,7 +201,8 @@ def test_private_network_without_root_uses_a_user_namespace():
     """As uid 1000 (in a user namespace of this test's, which maps it to this user)."""
     unshare = _unshare_or_skip()
     argv = [unshare, "--user", "--map-user=1000", "--map-group=1000", PY, "-m", "tfstrat"]
-    argv += ["launch", "--private-network", "--workers", "2", "--", PY, "-c", LIST_INTERFACES]
+    argv += ["launch", "--private-network", "--workers", "2", "--show", "all"]
+    argv += ["--", PY, "-c", LIST_INTERFACES]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "runs in a new user and network namespace (unprivileged)" in proc.stdout, proc.stdout

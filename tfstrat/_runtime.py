@@ -1,4 +1,5 @@
-"""Process settings tfstrat makes on the user's behalf: TensorFlow's BFC allocator on the CPU.
+"""Process settings tfstrat makes on the user's behalf: TensorFlow's BFC allocator on the CPU,
+and quiet logs (`tfstrat/_quiet.py`: TensorFlow's Python warnings that say nothing).
 
 With TensorFlow's default CPU allocator (the C library's malloc), a step under a tf.distribute
 strategy ran at about half the speed of the same step without one (issue 19;
@@ -27,6 +28,8 @@ import logging
 import os
 import sys
 from collections.abc import Mapping
+
+from tfstrat import _quiet
 
 logger = logging.getLogger("tfstrat")
 
@@ -90,9 +93,11 @@ def configure() -> None:
 
     Called by `import tfstrat`. Does nothing when the variable is already set (by the user,
     or by `tfstrat launch`) or `TFSTRAT_CPU_ALLOCATOR=default`; warns once when TensorFlow
-    has already created its devices.
+    has already created its devices. Also hides TensorFlow's Python warnings that say nothing
+    (`_quiet.install`; `TFSTRAT_VERBOSE=1` keeps them).
     """
     global _state
+    _quiet.install()
     if _state is not None:
         return
     try:
@@ -135,4 +140,3 @@ def announce() -> None:
         by,
         SWITCH,
     )
-

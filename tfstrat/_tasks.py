@@ -5,6 +5,11 @@ die with the launcher, even when the launcher is SIGKILLed and the task is a wra
 `sh -c "python train.py"`. When a task fails, `blame` reads its last lines for the task it
 names (`/job:worker/replica:0/task:1`, `worker:1`, `ps:0`): a worker that times out waiting for
 a stopped peer fails first, but the peer is the cause.
+
+A task's output goes, whole, to its file in the launcher's log directory (when there is one),
+and to the launcher's stream only when the task is shown (`--show`), less the start-up lines
+that `tfstrat/_quiet.py` names. The lines kept for blame and for the failure box leave those
+out too: a CUDA notice is no task's error.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TextIO
+
+from tfstrat._quiet import LineFilter
 
 _WATCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_watch.py")
 # TensorFlow reports a port taken between choosing and binding it only as this.
@@ -48,10 +55,33 @@ def signal_note(returncode: int) -> str:
 
 
 class Task:
-    """One task: its watcher process, and the reader thread that prefixes and keeps its output."""
+    """One task: its watcher process, and the reader thread that prefixes and keeps its output.
 
-    def __init__(self, name: str, argv: Sequence[str], env: dict[str, str], out: TextIO):
+    Args:
+        name: the task, e.g. "worker:1".
+        argv: its command.
+        env: its whole environment.
+        out: the launcher's stream; the task's lines go there as "[worker:1] line".
+        shown: whether its lines go to `out` at all (they are kept for a failure report anyway).
+        log: a file that gets every line of the task, unfiltered; closed at the output's end.
+        verbose: show the start-up lines `_quiet.LineFilter` would hide.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        env: dict[str, str],
+        out: TextIO,
+        *,
+        shown: bool = True,
+        log: TextIO | None = None,
+        verbose: bool = False,
+    ):
         self.name = name
+        self.shown = shown
+        self._log = log
+        self._filter = LineFilter(verbose)
         self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
         self.port_error = False
         # All four ends are close-on-exec: no task inherits them.
@@ -82,13 +112,22 @@ class Task:
         self._reader.start()
 
     def _read(self):
-        for raw in self.proc.stdout:
-            line = raw.decode("utf-8", "replace").rstrip("\n")
-            self.tail.append(line)
-            if any(e in line for e in _PORT_ERRORS):
-                self.port_error = True
-            self._out.write(f"[{self.name}] {line}\n")
-            self._out.flush()
+        try:
+            for raw in self.proc.stdout:
+                line = raw.decode("utf-8", "replace").rstrip("\n")
+                if any(e in line for e in _PORT_ERRORS):
+                    self.port_error = True
+                if self._log is not None:
+                    self._log.write(line + "\n")
+                if not self._filter.shows(line):
+                    continue
+                self.tail.append(line)
+                if self.shown:
+                    self._out.write(f"[{self.name}] {line}\n")
+                    self._out.flush()
+        finally:
+            if self._log is not None:
+                self._log.close()
 
     def poll(self) -> int | None:
         return self.proc.poll()
@@ -241,8 +280,11 @@ def last_lines(tail, count: int = 20) -> list[str]:
     return lines[max(0, start) :][: max(count, 40) if fatal else count]
 
 
-def report(failure: Failure, tasks_by_name: dict[str, Task], out: TextIO):
-    """The box printed when a run fails: headline, the noticer's last lines (and the cause's)."""
+def report(
+    failure: Failure, tasks_by_name: dict[str, Task], out: TextIO, log_dir: str | None = None
+):
+    """The box printed when a run fails: headline, the noticer's last lines (and the cause's),
+    whether or not those tasks were shown, and where every task's whole output is."""
     bar = "=" * 72
     task = failure.noticed_by
     out.write(f"{bar}\ntfstrat launch: {failure.headline()}; stopped the other tasks.\n")
@@ -254,5 +296,7 @@ def report(failure: Failure, tasks_by_name: dict[str, Task], out: TextIO):
         out.write(f"Last lines of {cause.name}:\n")
         for line in list(cause.tail)[-5:] or ["(no output)"]:
             out.write(f"  {line}\n")
+    if log_dir is not None:
+        out.write(f"Every task's full output: {log_dir}\n")
     out.write(f"{bar}\n")
     out.flush()

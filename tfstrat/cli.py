@@ -45,9 +45,11 @@ def _task(text: str) -> tuple[str, int]:
 
 
 def _cmd_devices(args) -> int:
+    from tfstrat._quiet import quiet_tensorflow_import
     from tfstrat.devices import devices
 
-    info = devices()
+    with quiet_tensorflow_import():  # TensorFlow's import prints C++ start-up lines
+        info = devices()
     print(json.dumps(info.to_dict(), indent=2) if args.json else info.table())
     return 0
 
@@ -168,6 +170,9 @@ def _cmd_launch(args) -> int:
             restarts=args.restarts,
             nodes=nodes,
             private_network=args.private_network,
+            show=args.show,
+            log_dir=args.log_dir,
+            verbose=args.verbose,
         )
     except ValueError as e:
         print(f"tfstrat launch: {e}", file=sys.stderr)
@@ -177,8 +182,15 @@ def _cmd_launch(args) -> int:
 
 _LAUNCH_DESCRIPTION = """\
 Runs COMMAND as every chief and worker task of a cluster on 127.0.0.1 (plus `tfstrat server`
-for each ps task), each with its own TF_CONFIG and TFSTRAT_TASK (e.g. worker:1), its output
-prefixed with its task name. Every task and everything it starts dies with the launcher.
+for each ps task), each with its own TF_CONFIG and TFSTRAT_TASK (e.g. worker:1). Every task and
+everything it starts dies with the launcher.
+
+Output: the chief's lines are shown (worker:0 when there is no chief), prefixed with its name:
+one progress bar, not one per worker. Every task's whole output goes to its own file in
+--log-dir (default: a new directory under the temporary directory, named at the start and in
+a failure's report). A task that fails has its last lines printed whatever --show says.
+TensorFlow's start-up lines that say nothing (CUDA driver notices, absl's logging notice) are
+hidden and tasks get TF_CPP_MIN_LOG_LEVEL=2 unless set; --verbose hides nothing.
 
 Several machines: start `tfstrat launch --nodes host1,host2 --node-rank R --workers-per-node N
 -- COMMAND` once on each node, with the same arguments and R = 0, 1, ... (torchrun's
@@ -224,6 +236,14 @@ examples:
   tfstrat launch --private-network --workers 2 -- python train.py
   tfstrat launch --nodes 10.0.0.1,10.0.0.2 --node-rank 0 --workers-per-node 2 --port 2222 \\
       -- python train.py        # and --node-rank 1 on 10.0.0.2"""
+
+
+def _cmd_doctor(args) -> int:
+    from tfstrat._doctor import run
+    from tfstrat._quiet import quiet_tensorflow_import
+
+    with quiet_tensorflow_import():  # TensorFlow's import prints C++ start-up lines
+        return run(timeout=args.timeout)
 
 
 def _cmd_server(args) -> int:
@@ -443,6 +463,27 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="seconds between SIGTERM and SIGKILL when stopping tasks (default 5)",
     )
+    g = p.add_argument_group("Output")
+    g.add_argument(
+        "--show",
+        default=_env("show", "chief"),
+        metavar="WHO",
+        help="whose output to print: chief (default: the chief, else worker:0), all, or task "
+        "names such as worker:1 or worker:0,ps:0",
+    )
+    g.add_argument(
+        "--log-dir",
+        default=_env("log-dir"),
+        metavar="DIR",
+        help="one file per task with all its output (worker-1.log); default: a new directory "
+        "under the temporary directory when --show hides a task",
+    )
+    g.add_argument(
+        "--verbose",
+        action="store_true",
+        default=_env("verbose", False, bool),
+        help="hide nothing: TensorFlow's start-up lines, and its log level in the tasks",
+    )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ARGS...")
     p.set_defaults(run=_cmd_launch)
 
@@ -474,6 +515,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--out", default=_env("out", "bench-out"), help="directory for NAME.md/json/png")
     p.set_defaults(run=_cmd_bench)
+
+    p = sub.add_parser(
+        "doctor",
+        help="versions, devices, what tfstrat.auto() picks for $TF_CONFIG, this task's ports, "
+        "and whether its peers resolve and answer; exit 1 if a check fails",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=_env("doctor-timeout", 2.0, float),
+        metavar="SECONDS",
+        help="how long each peer gets to accept a TCP connection (default 2)",
+    )
+    p.set_defaults(run=_cmd_doctor)
 
     p = sub.add_parser("server", help="run this host's ps task (from TF_CONFIG) until stopped")
     p.add_argument("--task", default=_env("task"), help="TYPE:INDEX, default TF_CONFIG's task")

@@ -12,6 +12,13 @@ node, all started with the same arguments, builds the same TF_CONFIG on fixed po
 (`tfstrat/_nodes.py`) and starts its node's tasks only; a ps task here keeps serving until the
 other nodes' workers have ended. With `private_network=True` every task runs in one new network
 namespace that has only loopback (`tfstrat/_private.py`).
+
+Output: by default (`show="all"`) every task's lines go to `out`, prefixed with the task.
+`tfstrat launch` shows only the chief's (`show="chief"`): one progress bar, not one per worker.
+Every task's whole output goes to its own file in `log_dir` (`worker-1.log`), which is named at
+the start and in a failure's report; a failing task's last lines are printed whatever `show`
+says. TensorFlow's start-up lines that say nothing are hidden (`tfstrat/_quiet.py`) unless
+`verbose`.
 """
 
 from __future__ import annotations
@@ -19,16 +26,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import TextIO
 
-from tfstrat import _ports, _runtime, _tasks
+from tfstrat import _ports, _quiet, _runtime, _tasks
 from tfstrat._nodes import NodeLayout
 from tfstrat._tasks import Failure, Task
 from tfstrat.cluster import TFConfig
@@ -42,6 +51,7 @@ USAGE_EXIT_CODES = (2, 126, 127)
 _LEFT_EARLY_AFTER = 1.0
 # How often a ps-holding node checks whether the other nodes' workers still run.
 _POLL_OTHER_NODES = 1.0
+_TASK_NAME = re.compile(r"^(chief|worker|ps):(\d+)$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +81,16 @@ class LaunchConfig:
             counts; worker:0 on the first node is the chief). Tasks see `TFSTRAT_NODE_RANK`.
         private_network: run every task in one new network namespace with only loopback up,
             so nothing of the job is reachable from outside it (one machine only).
+        show: whose output goes to `out`: "all" (the default here, for programs that read
+            the tasks' lines), "chief" (the chief, else worker:0; on a node of a multi-node
+            run that has neither, its first worker; `tfstrat launch`'s default), or task
+            names, "worker:1" or "worker:0,ps:0". A failing task's last lines are printed
+            anyway.
+        log_dir: a directory that gets one file per task with all its output
+            (`worker-1.log`). None: a new directory under the system's temporary directory
+            when `show` hides any task, else no files.
+        verbose: hide nothing: tasks keep TensorFlow's logging settings
+            (`TF_CPP_MIN_LOG_LEVEL`), and its start-up lines are shown (`tfstrat/_quiet.py`).
     """
 
     command: Sequence[str]
@@ -85,6 +105,9 @@ class LaunchConfig:
     restarts: int = 0
     nodes: NodeLayout | None = None
     private_network: bool = False
+    show: str = "all"
+    log_dir: str | None = None
+    verbose: bool = False
 
     def __post_init__(self):
         if not self.command:
@@ -106,6 +129,26 @@ class LaunchConfig:
             raise ValueError(f"Received: grace={self.grace}. Use seconds >= 0.")
         if self.nodes is not None:
             self._check_nodes()
+        self._check_show()
+
+    def _check_show(self):
+        names = _show_names(self.show)
+        if names is None:
+            return
+        cluster = _local_cluster(self) if self.nodes is not None else None
+        for name in names:
+            job, index = name.split(":")
+            if cluster is not None:
+                exists = int(index) < len(cluster.addresses(job))
+            else:
+                exists = int(index) < {"chief": int(self.chief), "worker": self.workers}.get(
+                    job, self.ps
+                )
+            if not exists:
+                raise ValueError(
+                    f"Received: show={self.show!r}, but the cluster has no {name}. Name tasks "
+                    "it has, or use 'chief' or 'all'."
+                )
 
     def _check_nodes(self):
         if not isinstance(self.nodes, NodeLayout):
@@ -134,6 +177,76 @@ class LaunchConfig:
             )
 
 
+def _show_names(show: str) -> list[str] | None:
+    """The task names in `show`, or None for "all" and "chief"; ValueError when malformed."""
+    text = show.strip().lower() if isinstance(show, str) else ""
+    if text in ("all", "chief"):
+        return None
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names or not all(_TASK_NAME.match(n) for n in names):
+        raise ValueError(
+            f"Received: show={show!r}. Use 'chief' (the chief, else worker:0), 'all', or "
+            "task names such as 'worker:1' or 'worker:0,ps:0'."
+        )
+    return names
+
+
+def _shown(config: LaunchConfig, roles: Sequence[tuple[str, int]]) -> set[str]:
+    """The names of the tasks of `roles` whose output goes to the launcher's stream."""
+    local = [f"{t}:{i}" for t, i in roles]
+    names = _show_names(config.show)
+    if names is not None:
+        return set(names) & set(local)
+    if config.show.strip().lower() == "all":
+        return set(local)
+    lead = "chief:0" if config.chief else "worker:0"
+    if lead in local:
+        return {lead}
+    trainers = [n for n in local if not n.startswith("ps:")]
+    return set(trainers[:1])  # a node without worker:0 shows one of its own
+
+
+def _resolve_log_dir(config: LaunchConfig) -> LaunchConfig:
+    """`config` with the log directory made: the one asked for, or a new temporary one when
+    some task is not shown."""
+    if config.log_dir is not None:
+        os.makedirs(config.log_dir, exist_ok=True)
+        return config
+    if set(_shown(config, _roles(config))) == {f"{t}:{i}" for t, i in _roles(config)}:
+        return config
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return dataclasses.replace(config, log_dir=tempfile.mkdtemp(prefix=f"tfstrat-{stamp}-"))
+
+
+def _open_log(config: LaunchConfig, name: str, start: int):
+    """The task's log file (None without a log directory): new at the first start, appended
+    to with a header line at every later one (restarts, port retries)."""
+    if config.log_dir is None:
+        return None
+    path = os.path.join(config.log_dir, name.replace(":", "-") + ".log")
+    f = open(path, "w" if start == 0 else "a", encoding="utf-8", buffering=1)
+    if start:
+        f.write(f"==== tfstrat launch: start {start + 1} of {name} (fresh ports) ====\n")
+    return f
+
+
+def _say_output(config: LaunchConfig, out: TextIO) -> None:
+    """One line at the start: whose output is shown, and where every task's whole output is."""
+    roles = _roles(config)
+    shown = [f"{t}:{i}" for t, i in roles if f"{t}:{i}" in _shown(config, roles)]
+    if config.log_dir is None:
+        return
+    if len(shown) == len(roles):
+        out.write(f"tfstrat launch: every task's full output goes to {config.log_dir}\n")
+    else:
+        who = ", ".join(shown) if shown else "no task's output (failures only)"
+        out.write(
+            f"tfstrat launch: showing {who} (--show all for every task); every task's full "
+            f"output goes to {config.log_dir}\n"
+        )
+    out.flush()
+
+
 def _task_env(
     config: LaunchConfig, tf_config: TFConfig, task: str, index: int, restart: int
 ) -> dict:
@@ -145,8 +258,7 @@ def _task_env(
     if config.nodes is not None:
         env["TFSTRAT_NODE_RANK"] = str(config.nodes.rank)
     env["PYTHONUNBUFFERED"] = "1"
-    if task == "ps":  # a ps logs every client's whole session config at INFO level
-        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+    env = _quiet.task_env(env, task, config.verbose)  # TF_CPP_MIN_LOG_LEVEL=2 unless set
     threads = threads_per_task(config)
     if threads:  # both pools: 2 inter-op threads alone keep ~1.4 cores of a process busy
         env["TF_NUM_INTRAOP_THREADS"] = env["TF_NUM_INTEROP_THREADS"] = str(threads)
@@ -243,18 +355,28 @@ class _Attempt:
     """One start of every task, watched until the chief and workers end, one fails, or the
     deadline passes."""
 
-    def __init__(self, config: LaunchConfig, tf_config: TFConfig, out: TextIO, restart: int):
+    def __init__(
+        self, config: LaunchConfig, tf_config: TFConfig, out: TextIO, restart: int, start: int
+    ):
         self.config, self.out = config, out
-        env = lambda t, i: _task_env(config, tf_config, t, i, restart)
         server = [sys.executable, "-m", "tfstrat", "server"]
+        roles = _roles(config)
+        shown = _shown(config, roles)
         self.ps: list[Task] = []
         self.train: list[Task] = []
         try:
-            for t, i in _roles(config):
-                if t == "ps":
-                    self.ps.append(Task(f"ps:{i}", server, env("ps", i), out))
-                else:
-                    self.train.append(Task(f"{t}:{i}", config.command, env(t, i), out))
+            for t, i in roles:
+                name = f"{t}:{i}"
+                task = Task(
+                    name,
+                    server if t == "ps" else config.command,
+                    _task_env(config, tf_config, t, i, restart),
+                    out,
+                    shown=name in shown,
+                    log=_open_log(config, name, start),
+                    verbose=config.verbose,
+                )
+                (self.ps if t == "ps" else self.train).append(task)
         except BaseException:  # an interrupt or OSError midway: none of them may outlive us
             _tasks.stop(self.ps + self.train, 0)
             raise
@@ -304,6 +426,8 @@ class _Attempt:
                 f"tfstrat launch: timed out after {self.config.timeout:g} s; stopped all tasks "
                 f"(still running then: {running}).\n"
             )
+            if self.config.log_dir is not None:
+                self.out.write(f"tfstrat launch: every task's full output: {self.config.log_dir}\n")
             return _Outcome(EXIT_TIMEOUT)
         return None
 
@@ -360,7 +484,7 @@ class _Attempt:
         _tasks.stop(self.everyone, self.config.grace)
         if retry:
             return _Outcome(failure.code, port_taken=True)
-        _tasks.report(failure, self.by_name, self.out)
+        _tasks.report(failure, self.by_name, self.out, self.config.log_dir)
         if task.port_error:
             self.out.write(
                 f"tfstrat launch: a port of {task.name} was taken. A multi-node run's ports are "
@@ -385,7 +509,8 @@ def _attempts(config: LaunchConfig, out: TextIO, deadline: float | None, make_cl
     """Runs attempts until one succeeds, times out, or fails without a restart left."""
     restart = port_retry = 0
     while True:
-        outcome = _Attempt(config, make_cluster(config), out, restart).run(deadline)
+        start = restart + port_retry
+        outcome = _Attempt(config, make_cluster(config), out, restart, start).run(deadline)
         if outcome.port_taken:
             if port_retry >= config.port_retries:
                 out.write("tfstrat launch: every retry found a port taken; giving up.\n")
@@ -481,12 +606,14 @@ def launch(config: LaunchConfig, out: TextIO | None = None, *, _make_cluster=Non
     handled = (signal.SIGINT, signal.SIGTERM) if in_main else ()
     previous = {s: signal.signal(s, _raise_interrupted) for s in handled}
     try:
-        if config.private_network:
+        config = _resolve_log_dir(config)
+        if config.private_network:  # the launcher inside says what it shows, and where
             from tfstrat import _private
 
             return _private.run(config, out)
         if config.nodes is not None:
             _say_layout(config, out)
+        _say_output(config, out)
         return _attempts(config, out, deadline, _make_cluster or _local_cluster)
     except KeyboardInterrupt as e:
         signum = e.signum if isinstance(e, _Interrupted) else signal.SIGINT

@@ -1,0 +1,188 @@
+"""`tfstrat doctor`: what this process would run with, and whether its peers are there.
+
+One line per check, `ok`, `note` (worth knowing, not a failure) or `FAIL`, then exit 0 when
+no check failed, else 1:
+
+- TensorFlow, Keras and Python versions (TensorFlow outside the range tfstrat supports fails);
+- the devices (`tfstrat devices`, without starting TensorFlow's runtime);
+- TF_CONFIG: this task and the cluster, or why it is invalid;
+- what `tfstrat.auto()` would pick for it, without creating the strategy (which starts servers);
+- the ports this task would listen on (`tfstrat/_ports.py`): TensorFlow's P, tfstrat's P + 1;
+- every other task in TF_CONFIG: its name resolves, and its TensorFlow port accepts a TCP
+  connection within `timeout` seconds (it is only a connect: nothing is sent).
+
+tfstrat's own port (P + 1) is not checked on peers: it listens only while a task trains.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import sys
+from collections.abc import Mapping
+from typing import TextIO
+
+from tfstrat import _ports
+from tfstrat.cluster import TFConfig, TFConfigError
+
+# The TensorFlow releases tfstrat is built and tested against (pyproject.toml's range).
+_TF_SUPPORTED = ((2, 21), (2, 22))
+_WHAT = {"chief": "tfstrat ring", "worker": "tfstrat ring", "ps": "Hybrid's table server"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """One line of the report."""
+
+    status: str  # "ok", "note" or "FAIL"
+    text: str
+
+    def line(self) -> str:
+        return f"{self.status:<5} {self.text}"
+
+
+def _versions(info) -> Check:
+    parts = tuple(int(p) for p in info.tensorflow_version.split(".")[:2] if p.isdigit())
+    text = (
+        f"TensorFlow {info.tensorflow_version}, Keras {info.keras_version or 'not installed'}, "
+        f"Python {sys.version.split()[0]}"
+    )
+    low, high = _TF_SUPPORTED
+    if not low <= parts < high:
+        return Check(
+            "FAIL",
+            f"{text}: tfstrat needs TensorFlow >={low[0]}.{low[1]},<{high[0]}.{high[1]} "
+            "(pip install -e . installs it)",
+        )
+    if info.keras_version is None or not info.keras_version.startswith("3."):
+        return Check("FAIL", f"{text}: tfstrat needs Keras 3 (pip install 'keras>=3.15,<4')")
+    return Check("ok", text)
+
+
+def _devices(info) -> Check:
+    gpus = f"{len(info.gpus)} GPU(s)" if info.gpus else "no GPU"
+    nccl = ", NCCL usable" if info.nccl else ""
+    tpu = f", TPU {info.tpu}" if info.tpu else ", no TPU"
+    return Check("ok", f"devices: {info.cpu_count} CPU(s), {gpus}{nccl}{tpu}")
+
+
+def auto_choice(tf_config: TFConfig | None, info) -> str:
+    """What `tfstrat.auto()` would return for `tf_config` on a host with `info`, and why
+    (the same order of rules as `tfstrat/strategies/auto.py`)."""
+    if info.tpu:
+        return f"TPUStrategy (TPU {info.tpu} found)"
+    ps = len(tf_config.addresses("ps")) if tf_config is not None else 0
+    if ps:
+        return f"Hybrid (TF_CONFIG has {ps} ps task(s))"
+    if tf_config is not None and tf_config.num_workers > 1:
+        return f"CollectiveAllReduce (TF_CONFIG has {tf_config.num_workers} workers)"
+    if len(info.gpus) >= 2:
+        return f"MirroredNCCL ({len(info.gpus)} local GPUs)"
+    return f"TensorFlow's default strategy (one worker, {len(info.gpus)} GPU(s), no TPU)"
+
+
+def _tasks(config: TFConfig) -> list[tuple[str, str]]:
+    return [
+        (f"{job}:{i}", address)
+        for job in ("chief", "worker", "ps", "evaluator")
+        for i, address in enumerate(config.addresses(job))
+    ]
+
+
+def _answers(host: str, port: int, timeout: float) -> str | None:
+    """None when something accepts a TCP connection at (host, port), else why not."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return None
+    except TimeoutError:
+        return f"no answer within {timeout:g} s"
+    except OSError as e:
+        return e.strerror or type(e).__name__
+
+
+def _own_ports(config: TFConfig, timeout: float) -> Check:
+    """The ports this task would listen on, and whether something answers there already."""
+    me = f"{config.task_type}:{config.task_index}"
+    host, port = _ports.split(config.task_address)
+    if config.task_type == "evaluator":
+        return Check("ok", f"{me} at {config.task_address} listens on no port")
+    try:
+        mine = _ports.tfstrat_port(config.task_address)
+    except ValueError as e:
+        return Check("FAIL", str(e))
+    peers = [a for name, a in _tasks(config) if name != me and not name.startswith("evaluator")]
+    bind = _ports.route_source(peers) or _ports.wildcard(host)
+    used = [p for p in (port, mine) if _answers(host, p, timeout) is None]
+    state = f"; in use now: {', '.join(map(str, used))} (by this task, if it runs)" if used else ""
+    return Check(
+        "note" if used else "ok",
+        f"{me} listens on {port}/tcp (TensorFlow gRPC server, all interfaces) and "
+        f"{mine}/tcp ({_WHAT[config.task_type]}, {bind}){state}",
+    )
+
+
+def _peer(name: str, address: str, timeout: float) -> Check:
+    host, port = _ports.split(address)
+    try:
+        resolved = sorted({info[4][0] for info in socket.getaddrinfo(host, port)})
+    except OSError as e:
+        return Check(
+            "FAIL",
+            f"{name} at {address}: {host!r} does not resolve ({e.strerror or e}): fix the name "
+            "in TF_CONFIG, or /etc/hosts or DNS on this host",
+        )
+    why = _answers(host, port, timeout)
+    where = ", ".join(resolved[:3])
+    if why is not None:
+        return Check(
+            "FAIL",
+            f"{name} at {address} ({where}) does not answer on port {port} ({why}): start its "
+            f"task, or let this host reach {host} on ports {port} and "
+            f"{port + _ports.offset()} (a firewall, a NetworkPolicy)",
+        )
+    return Check("ok", f"{name} at {address} ({where}) answers on port {port}")
+
+
+def checks(env: Mapping[str, str] | None = None, timeout: float = 2.0) -> list[Check]:
+    """Every check, in order (see the module's docstring).
+
+    Args:
+        env: the environment to read TF_CONFIG from (default: this process's).
+        timeout: seconds each peer gets to accept a connection.
+    """
+    from tfstrat.devices import devices
+
+    env = os.environ if env is None else env
+    info = devices()
+    out = [_versions(info), _devices(info)]
+    if "TF_CONFIG" not in env:
+        out.append(Check("ok", "TF_CONFIG is not set: a one-process job"))
+        out.append(Check("ok", f"tfstrat.auto() would pick {auto_choice(None, info)}"))
+        return out
+    try:
+        config = TFConfig.from_env(env)
+    except TFConfigError as e:
+        return out + [Check("FAIL", f"TF_CONFIG: {e}")]
+    counts = ", ".join(f"{len(a)} {job}" for job, a in config.cluster.items())
+    me = f"{config.task_type}:{config.task_index}" if config.task_type else None
+    out.append(Check("ok", f"TF_CONFIG: this task is {me or 'not named'}; cluster {counts}"))
+    out.append(Check("ok", f"tfstrat.auto() would pick {auto_choice(config, info)}"))
+    if config.task_address is not None:
+        out.append(_own_ports(config, timeout))
+    for name, address in _tasks(config):
+        if name != me and not name.startswith("evaluator"):  # an evaluator runs no server
+            out.append(_peer(name, address, timeout))
+    return out
+
+
+def run(out: TextIO | None = None, env: Mapping[str, str] | None = None, timeout=2.0) -> int:
+    """Prints every check, one line each; returns 0 when none failed, else 1."""
+    out = out or sys.stdout
+    results = checks(env, timeout)
+    for check in results:
+        out.write(check.line() + "\n")
+    failed = sum(c.status == "FAIL" for c in results)
+    out.write(f"tfstrat doctor: {failed} check(s) failed\n" if failed else "tfstrat doctor: ok\n")
+    out.flush()
+    return 1 if failed else 0
