@@ -1,0 +1,81 @@
+"""Keras's Adagrad on a sparse gradient, for the touched rows only (tfstrat/keras/_rowwise.py).
+
+In one process: the row-wise step must give what Keras's own step gives (same arithmetic; TF may
+round x / sqrt(y) as x * rsqrt(y), an ulp or so), leave untouched rows and their accumulator
+bit for bit alone, and leave dense gradients to Keras.
+"""
+
+import os
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfstrat.keras  # noqa: F401  (installs the row-wise step)
+from tfstrat.keras import _rowwise
+
+keras = pytest.importorskip("keras")
+V, D = 50, 4
+
+
+def _train(rowwise: bool, steps, dense=False):
+    rng = np.random.default_rng(0)
+    table = keras.Variable(rng.normal(size=(V, D)).astype("float32"))
+    opt = keras.optimizers.Adagrad(0.5, initial_accumulator_value=0.1, epsilon=1e-7)
+    if not rowwise:
+        opt.update_step = types.MethodType(_rowwise.keras_update_step, opt)
+    opt.build([table])
+
+    @tf.function
+    def step(ids, values):
+        grad = tf.IndexedSlices(values, ids, tf.constant([V, D], tf.int64))
+        opt.apply([tf.convert_to_tensor(grad) if dense else grad], [table])
+
+    for ids, values in steps:
+        step(ids, values)
+    return table.numpy(), opt._accumulators[0].numpy()
+
+
+def _steps(n=6, rows=12):
+    rng = np.random.default_rng(1)
+    out = []
+    for _ in range(n):
+        ids = rng.integers(0, V // 2, rows)  # duplicates, and rows V//2.. never touched
+        out.append((tf.constant(ids, tf.int64), tf.constant(rng.normal(size=(rows, D)), tf.float32)))
+    return out
+
+
+def test_installed_by_importing_tfstrat_keras():
+    assert _rowwise._installed and _rowwise.keras_update_step is not None
+    assert keras.optimizers.Adagrad.update_step is not _rowwise.keras_update_step
+
+
+def test_sparse_step_equals_keras_own_and_leaves_untouched_rows_alone():
+    steps = _steps()
+    ours, ours_acc = _train(True, steps)
+    theirs, theirs_acc = _train(False, steps)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(ours_acc, theirs_acc, rtol=1e-6, atol=1e-7)
+    initial, initial_acc = _train(True, [])
+    touched = np.unique(np.concatenate([ids.numpy() for ids, _ in steps]))
+    untouched = np.setdiff1d(np.arange(V), touched)
+    assert len(untouched) >= V // 2
+    np.testing.assert_array_equal(ours[untouched], initial[untouched])
+    np.testing.assert_array_equal(ours_acc[untouched], initial_acc[untouched])
+    assert not np.allclose(ours[touched], initial[touched])
+
+
+def test_dense_gradients_take_keras_own_step_bit_for_bit():
+    steps = _steps()
+    np.testing.assert_array_equal(_train(True, steps, dense=True)[0], _train(False, steps, dense=True)[0])
+
+
+def test_turned_off_by_the_switch():
+    code = "import tfstrat.keras, keras; from tfstrat.keras import _rowwise; print(_rowwise._installed)"
+    env = {**os.environ, "TFSTRAT_ROWWISE": "0", "TF_CPP_MIN_LOG_LEVEL": "3"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False", out.stdout
