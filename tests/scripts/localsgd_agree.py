@@ -10,5 +10,9 @@ import tfstrat
 
 rate = 0.5 if os.environ["TFSTRAT_TASK"] == "worker:1" else 0.7
 outer = {"class_name": "SGD", "config": {"learning_rate": rate, "momentum": 0.9, "nesterov": True}}
-tfstrat.LocalSGD(sync_every=8, outer_optimizer=outer, timeout=60)
+try:
+    tfstrat.LocalSGD(sync_every=8, outer_optimizer=outer, timeout=60)
+except ValueError as e:  # AgreementError
+    print(f"localsgd_agree: refused: {e}", flush=True)
+    os._exit(3)  # at once: no TensorFlow teardown, which waits for the peer's coordination
 print("localsgd_agree: not refused", flush=True)

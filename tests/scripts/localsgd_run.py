@@ -22,6 +22,7 @@ Scenarios:
 import argparse
 import json
 import os
+import time
 
 import numpy as np
 
@@ -33,7 +34,7 @@ args = parser.parse_args()
 wanted = args.only.split(",")
 
 GLOBAL_BATCH = 24
-DIGITS_EPOCHS, DIGITS_BATCH, DIGITS_SYNC = 12, 32, 8
+DIGITS_EPOCHS, DIGITS_BATCH, DIGITS_SYNC = 8, 64, 8
 
 if not args.plain:
     import tfstrat
@@ -97,7 +98,14 @@ from tfstrat.keras.callbacks import BackupAndRestore  # noqa: E402
 from tfstrat.traffic import tcp_bytes  # noqa: E402
 
 task = os.environ["TFSTRAT_TASK"].replace(":", "_")
-report, arrays = {}, {}
+report, arrays = {"seconds": {}}, {}
+clock = [time.monotonic()]
+
+
+def lap(name):
+    now = time.monotonic()
+    report["seconds"][name] = round(now - clock[0], 1)
+    clock[0] = now
 
 
 def strategy_for(**kw):
@@ -114,6 +122,7 @@ if "sync1" in wanted:
         arrays[f"sync1/w{i}"] = w.numpy()
     report["sync1"] = {"iterations": int(model.optimizer.iterations.numpy())}
 
+lap("sync1")
 if "sync8" in wanted:
     strategy = strategy_for(sync_every=8)
     x, y = data(GLOBAL_BATCH * 20, seed=1)
@@ -124,7 +133,7 @@ if "sync8" in wanted:
     history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
     report["sync8"] = {
         "iterations": int(model.optimizer.iterations.numpy()),
-        "state": strategy.syncs_state(model),
+        "state": strategy.sync_state(model),
         "ring_calls": ring.calls - calls,
         "loss": history.history["loss"],
     }
@@ -133,6 +142,7 @@ if "sync8" in wanted:
     if strategy.extended.should_checkpoint:
         model.save_weights(os.path.join(args.out, "sync8.weights.h5"))
 
+lap("sync8")
 if "bytes" in wanted:
     x = np.random.default_rng(2).random((GLOBAL_BATCH * 32, 256), dtype=np.float32)
     y = (x[:, 0] * 10).astype("int64") % 10
@@ -156,6 +166,7 @@ if "bytes" in wanted:
         "params": int(sum(np.prod(w.shape) for w in model.trainable_weights)),
     }
 
+lap("bytes")
 if "digits" in wanted:
     (x, y), (xt, yt) = digits()
     accuracy = {}
@@ -167,16 +178,17 @@ if "digits" in wanted:
         with strategy.scope():
             model = build_mlp()
             model.compile(
-                optimizer=keras.optimizers.Adam(0.003),
+                optimizer=keras.optimizers.Adam(0.01),
                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             )
         model.fit(x, y, batch_size=DIGITS_BATCH, epochs=DIGITS_EPOCHS, shuffle=False, verbose=0)
         logits = model(tf.constant(xt), training=False).numpy()
         accuracy[name] = float((logits.argmax(1) == yt).mean())
         if name == "diloco":
-            accuracy["state"] = strategy.syncs_state(model)
+            accuracy["state"] = strategy.sync_state(model)
     report["digits"] = accuracy
 
+lap("digits")
 if "resume" in wanted:
     strategy = strategy_for(sync_every=4, outer_optimizer="diloco", sync_slots=True)
     x, y = data(GLOBAL_BATCH * 10, seed=3)
@@ -207,9 +219,10 @@ if "resume" in wanted:
         "epochs": epochs,
         "variables": len(a),
         "max_diff": max(float(np.abs(p - q).max()) if p.size else 0.0 for p, q in zip(a, b)),
-        "state": strategy.syncs_state(resumed),
+        "state": strategy.sync_state(resumed),
     }
 
+lap("resume")
 np.savez(os.path.join(args.out, f"{task}.npz"), **arrays)
 with open(os.path.join(args.out, f"{task}.json"), "w") as f:
     json.dump(report, f, indent=1)

@@ -4,7 +4,9 @@ Run by the benchmark drivers through `tfstrat launch`, one per task:
     python -m tfstrat.bench._worker '{"strategy": "collective", "model": "small", ...}'
 
 Strategies: "none" (no strategy), "mirrored" (MirroredNCCL), "collective"
-(CollectiveAllReduce), "ps-sync" / "ps-async" (ParameterServer), "hybrid", and the stock peers "tfkeras-none", "tfkeras-mirrored", "tfkeras-mwms"
+(CollectiveAllReduce), "ps-sync" / "ps-async" (ParameterServer), "hybrid", "localsgd-N"
+(LocalSGD, sync every N steps), "diloco-N" (LocalSGD with DiLoCo's outer Nesterov step), and
+the stock peers "tfkeras-none", "tfkeras-mirrored", "tfkeras-mwms"
 (tf-keras, TF_USE_LEGACY_KERAS=1) and "keras3-mwms" (stock MWMS under Keras 3).
 """
 
@@ -60,6 +62,12 @@ def _strategy(tf, name: str, devices: int):
         import tfstrat
 
         return tfstrat.Hybrid(timeout=120)
+    if name.startswith(("localsgd-", "diloco-")):
+        import tfstrat
+
+        kind, every = name.split("-")
+        outer = "diloco" if kind == "diloco" else None
+        return tfstrat.LocalSGD(sync_every=int(every), outer_optimizer=outer, timeout=120)
     if name in ("ps-sync", "ps-async"):
         import tfstrat
 
@@ -98,10 +106,22 @@ def _sparse_model(keras, vocab: int, dim: int, seq: int, classes: int):
     return keras.Model(inputs, layers.Dense(classes)(x))
 
 
+def _teacher_data(np, seed: int, n: int, image: int):
+    """Images a CNN with global pooling can learn to label: noise over a per-image colour;
+    the label is a fixed random linear map of the colour (argmax of 10 scores)."""
+    rng = np.random.default_rng(seed)
+    color = rng.random((n, 1, 1, 3), dtype=np.float32)
+    x = (0.5 * rng.random((n, image, image, 3), dtype=np.float32) + 0.5 * color).astype("float32")
+    weights = np.random.default_rng(123).standard_normal((3, 10))
+    return x, ((color.reshape(n, 3) - 0.5) @ weights).argmax(1).astype("int32")
+
+
 def _data(tf, np, config: dict, global_batch: int):
     rng = np.random.default_rng(0)
-    n = global_batch * 4
-    if config.get("workload") == "sparse":
+    n = global_batch * (32 if config.get("accuracy") else 4)
+    if config.get("accuracy"):  # learnable labels; accuracy measured on held-out images
+        x, y = _teacher_data(np, 0, n, int(config["image"]))
+    elif config.get("workload") == "sparse":
         seq, vocab = int(config["seq"]), int(config["vocab"])
         x = ((rng.zipf(1.2, (n, seq)) - 1) % vocab).astype("int32")  # Zipf-distributed ids
         y = (x[:, 0] % int(config["classes"])).astype("int32")
@@ -176,6 +196,8 @@ def main(config: dict) -> dict:
             lambda context: _data(tf, np, config, global_batch)
         )
     scope = strategy.scope() if strategy else tf.distribute.get_strategy().scope()
+    if config.get("accuracy"):  # rows compared on accuracy start from the same weights
+        keras.utils.set_random_seed(0)
     with scope:
         model, optimizer = _build(keras, config)
         model.compile(
@@ -206,7 +228,10 @@ def main(config: dict) -> dict:
 
     clock, traffic = Clock(), Traffic()
     steps, repeats = int(config["steps"]), int(config["repeats"])
-    callbacks = [clock] + ([traffic] if ps_ports else [])
+    local_sgd = config["strategy"].startswith(("localsgd-", "diloco-"))
+    if local_sgd:  # what crosses this worker's sockets: its sent bytes, every peer
+        tcp_bytes = lambda ports: (_sent_bytes(),)  # noqa: E731
+    callbacks = [clock] + ([traffic] if ps_ports or local_sgd else [])
     model.fit(data, steps_per_epoch=steps, epochs=1 + repeats, verbose=0, callbacks=callbacks)
     timed = clock.seconds[1:]  # epoch 0 traces and warms up
     rates = [steps * global_batch / s for s in timed]
@@ -214,11 +239,19 @@ def main(config: dict) -> dict:
     sent = ops.bytes_sent_per_worker() if hasattr(ops, "bytes_sent_per_worker") else None
     if ps_ports:  # measured on the sockets to the ps tasks, both directions
         sent = traffic.per_step + (sent or 0)
+    if local_sgd:
+        sent = traffic.per_step
+    accuracy = None
+    if config.get("accuracy"):
+        held_out, labels = _teacher_data(np, 1, 1024, int(config["image"]))
+        logits = model(tf.constant(held_out), training=False)
+        accuracy = float((np.asarray(logits).argmax(1) == labels).mean())
     import resource
 
     return {
         "bytes_sent_per_step": None if ps_mode else (sent if replicas > 1 else 0),
         "final_loss": clock.loss,
+        "accuracy": accuracy,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "replicas": replicas,
         "global_batch": global_batch,
@@ -232,6 +265,12 @@ def main(config: dict) -> dict:
         "keras": getattr(keras, "__version__", "?"),
         "tensorflow": tf.__version__,
     }
+
+
+def _sent_bytes() -> int:
+    from tfstrat.traffic import tcp_bytes
+
+    return tcp_bytes()[0]
 
 
 if __name__ == "__main__":

@@ -436,7 +436,7 @@ class LocalSGD(CollectiveAllReduce):
         state.sync_fn()
         return True
 
-    def syncs_state(self, model) -> dict:
+    def sync_state(self, model) -> dict:
         """LocalSGD's state for `model` (for tests and logs): steps since the last sync and
         the outer optimizer's step count."""
         state = self._states.get(id(getattr(model, "optimizer", None)))
