@@ -3,8 +3,9 @@
 Usage: python stress_evaluate.py CALLS
 Keras reads one batch before each evaluate to build the model, then drops that iterator;
 deleting a TF 2.21 MultiDeviceIterator whose background thread is still prefetching crashed a
-worker (SIGSEGV) about once in 50 calls. tfstrat skips that read once the model is built.
-Prints "done CALLS <loss>" at the end.
+worker (SIGSEGV) about once in 50 calls. tfstrat skips that read once the model is built, and
+a worker whose one device is the CPU no longer reads through a MultiDeviceIterator at all.
+Prints "iterator <class>" (of the worker's input iterator) and "done CALLS <loss>".
 """
 
 import sys
@@ -30,6 +31,12 @@ with strategy.scope():
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
     )
+import tensorflow as tf  # noqa: E402
+
+batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(24)
+it = iter(strategy.experimental_distribute_dataset(batches))
+print("iterator", type(it._iterators[0]._iterator).__name__, flush=True)
+del it
 model.fit(x, y, batch_size=24, epochs=1, verbose=0)
 losses = {round(float(model.evaluate(x, y, batch_size=24, verbose=0)[0]), 6) for _ in range(calls)}
 print("done", calls, sorted(losses), flush=True)
