@@ -156,8 +156,10 @@ class LocalSGD(CollectiveAllReduce):
     picks it: it changes the training algorithm.
 
     Create it first in the program, before any other TensorFlow op, on every worker alike.
-    A Keras optimizer given as `outer_optimizer` may be created before it (LocalSGD uses a
-    copy made from its config in its own scope; the object you pass is never updated).
+    A Keras optimizer is a TensorFlow op too: on a cluster, give `outer_optimizer` as
+    "diloco" or as a config dict (`{"class_name": "SGD", "config": {"learning_rate": 0.7,
+    "momentum": 0.9, "nesterov": True}}`); LocalSGD builds the outer optimizer in its scope
+    (a Keras optimizer object given here is copied from its config, never updated).
 
     Args:
         tf_config: the cluster; None reads the `TF_CONFIG` environment variable.
@@ -204,16 +206,29 @@ class LocalSGD(CollectiveAllReduce):
         if outer is not None:
             plain = {k: v for k, v in outer.items() if k != "_object"}
             described = json.dumps(plain, sort_keys=True, default=str)
-        super().__init__(
-            tf_config,
-            communication=communication,
-            timeout=timeout,
-            _agree_on={
-                "sync_every": sync_every,
-                "outer_optimizer": described or "none",
-                "sync_slots": sync_slots,
-            },
-        )
+        try:
+            super().__init__(
+                tf_config,
+                communication=communication,
+                timeout=timeout,
+                _agree_on={
+                    "sync_every": sync_every,
+                    "outer_optimizer": described or "none",
+                    "sync_slots": sync_slots,
+                },
+            )
+        except RuntimeError as e:
+            if outer is None or "_object" not in outer or "at program startup" not in str(e):
+                raise
+            raise ValueError(
+                f"Received: outer_optimizer={outer_optimizer!r}, a Keras optimizer created "
+                "before the strategy. Creating it ran TensorFlow ops, and a multi-worker "
+                "strategy must come first in the program (TensorFlow: 'Collective ops must "
+                "be configured at program startup'). Pass outer_optimizer='diloco', or "
+                f"the optimizer's config instead: {{'class_name': "
+                f"'{outer['class_name']}', 'config': {{...}}}} (what "
+                "keras.optimizers.serialize returns)."
+            ) from e
         if len(self.extended.worker_devices) > 1:
             raise ValueError(
                 f"Received: {len(self.extended.worker_devices)} devices on this worker "
