@@ -87,6 +87,7 @@ def _run(name, strategy, workers, ps, report, *extra):
 )
 def test_example_quick_reaches_its_metric(name, strategy, workers, ps, tmp_path):
     result, output = _run(name, strategy, workers, ps, tmp_path / "report.json")
+    print(f"\n{name} --strategy {strategy}: {json.dumps(result)}")  # scripts/examples shows it
     CHECKS[name](result)
     assert result["examples_per_s"] > 0, result  # from tfstrat's Throughput callback
     assert result["workers"] == max(workers, 1)
