@@ -101,6 +101,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", default=",".join(r[0] for r in ROWS))
     parser.add_argument("--networks", default="loopback,limited")
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--link-mb", type=int, default=300, help="MB sent to measure the link")
     parser.add_argument("--render", metavar="JSON", help="print the table of an earlier run")
     args = parser.parse_args(argv)
     if args.render:
@@ -140,7 +141,7 @@ def main(argv=None) -> int:
             nets[name] = stack.enter_context(
                 netns.Network(args.workers, rate=args.rate, prefix=f"tfs{os.getpid()}l")
             )
-            links[name] = multihost.link_mb_per_s(nets[name])
+            links[name] = multihost.link_mb_per_s(nets[name], args.link_mb)
         print("link MB/s", links, flush=True)
         for row in rows:
             for name in links:
