@@ -88,4 +88,4 @@ def test_an_unknown_row_is_refused_naming_the_rows_there_are(tmp_path, capsys):
     code = main(["bench", "sparse", "--quick", "--rows", "P-1,X-9", "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert code == 2, err
-    assert "--rows X-9" in err and "P-1,P-all,C-2" in err, err
+    assert "--rows X-9" in err and "P-1,P-1t,P-all,C-2" in err, err
