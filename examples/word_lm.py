@@ -116,14 +116,20 @@ def build(keras, tfstrat, vocab: int, steps: int, width: int, sampled: int):
             self.table = table
 
         def call(self, hidden):
-            rows = self.table(tf.range(vocab))
+            # In chunks of 4,096 rows: under Hybrid one lookup's reply must stay under gRPC's
+            # 4 MiB message limit (the whole 20,000 x 65 table is 5.2 MB).
+            rows = tf.concat(
+                [self.table(tf.range(a, min(a + 4096, vocab))) for a in range(0, vocab, 4096)], 0
+            )
             return tf.einsum("btd,vd->btv", hidden, rows[:, :-1]) + rows[:, -1]
 
     tokens = keras.Input((steps,), dtype="int32", name="tokens")
     targets = keras.Input((steps,), dtype="int32", name="targets")
     x = tfstrat.keras.layers.Embedding(vocab, width, name="words")(tokens)
-    x = keras.layers.LSTM(width, return_sequences=True)(x)
-    hidden = keras.layers.Dense(width, name="project")(x)
+    # The LSTM's outputs feed the softmax directly. (A Dense on these 3-D outputs has a kernel
+    # gradient of unknown static shape in TF 2.21, which tfstrat's multi-worker all-reduce
+    # does not take yet.)
+    hidden = keras.layers.LSTM(width, return_sequences=True)(x)
     softmax = tfstrat.keras.layers.Embedding(vocab, width + 1, name="softmax")
     # Built now, eagerly: under Hybrid building places the table on the ps, which cannot be
     # done while Keras traces the layers that call it.
