@@ -164,9 +164,12 @@ def checks(env: Mapping[str, str] | None = None, timeout: float = 2.0) -> list[C
         config = TFConfig.from_env(env)
     except TFConfigError as e:
         return out + [Check("FAIL", f"TF_CONFIG: {e}")]
-    counts = ", ".join(f"{len(a)} {job}" for job, a in config.cluster.items())
+    counts = ", ".join(
+        f"{len(a)} {job}{'s' if len(a) > 1 and job != 'ps' else ''}"
+        for job, a in config.cluster.items()
+    )
     me = f"{config.task_type}:{config.task_index}" if config.task_type else None
-    out.append(Check("ok", f"TF_CONFIG: this task is {me or 'not named'}; cluster {counts}"))
+    out.append(Check("ok", f"TF_CONFIG: this task is {me or 'not named'}; cluster: {counts}"))
     out.append(Check("ok", f"tfstrat.auto() would pick {auto_choice(config, info)}"))
     if config.task_address is not None:
         out.append(_own_ports(config, timeout))
