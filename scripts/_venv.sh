@@ -18,7 +18,8 @@ ensure_venv() {
   if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ] \
       || ! "$PY" -c "import tfstrat" >/dev/null 2>&1; then
     echo "scripts: installing tfstrat${extras:+[$extras]} into $VENV" >&2
-    "$PY" -m pip install --quiet -e "$spec"
+    # -qq: errors only (setuptools prints a 10-line "Editable installation" notice otherwise)
+    "$PY" -m pip install -qq -e "$spec"
     touch "$stamp"
   fi
 }

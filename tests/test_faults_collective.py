@@ -136,11 +136,14 @@ def test_hybrid_workers_name_a_ps_that_died():
         for p in (ps, *workers):
             p.kill()
     table = config.addresses("ps")[0].rsplit(":", 1)[0]
+    named = f"on ps:0 (table server at {table}:"
     for w, out in zip(workers, outs):
         assert w.returncode not in (0, None), out[-3000:]
         assert "must not" not in out
-        # Was: "Connection reset by peer (at emb/RpcGetValue)", naming no task.
-        assert f"on ps:0 (table server at {table}:" in out, out[-3000:]
+        # Was: "Connection reset by peer (at emb/RpcGetValue)", naming no task. A worker whose
+        # peer failed first on the dead ps may end on the ring instead, naming that peer.
+        assert named in out or "closed the connection: it failed" in out, out[-3000:]
+    assert any(named in out for out in outs), [out[-3000:] for out in outs]
 
 
 @pytest.mark.timeout(120)
@@ -165,11 +168,14 @@ def test_a_ps_whose_table_port_is_taken_fails_at_start_naming_it():
 @pytest.mark.timeout(400)
 @pytest.mark.slow
 def test_many_evaluates_do_not_crash_a_worker():
-    """Before tfstrat skipped Keras's read-once build batch, 5 of 5 such runs lost a worker to
-    a SIGSEGV in TensorFlow's MultiDeviceIterator (about one evaluate in 50-150 crashed)."""
-    # 100 calls: about 1 to 2 crashes expected without the fix (200 cost 4 min of CI).
-    code, out = launch_script("stress_evaluate.py", "100")
+    """Before tfstrat skipped Keras's read-once build batch, 5 of 5 runs of 300 evaluates lost
+    a worker to a SIGSEGV in TensorFlow's MultiDeviceIterator (one evaluate in 50-150 crashed).
+    A CPU worker now reads through a plain iterator (no MultiDeviceIterator to crash), which
+    this asserts; 30 calls keep the run's evaluates consistent (100 cost 4 min of CI)."""
+    code, out = launch_script("stress_evaluate.py", "30")
     assert code == 0, out[-6000:]
-    done = [line for line in out.splitlines() if "] done 100 " in line]
+    iterators = [line for line in out.splitlines() if "] iterator " in line]
+    assert len(iterators) == 2 and all(x.endswith(" OwnedIterator") for x in iterators), out
+    done = [line for line in out.splitlines() if "] done 30 " in line]
     assert len(done) == 2, out[-3000:]
     assert len(set(line.split("] ", 1)[1] for line in done)) == 1, done  # one loss, both workers
