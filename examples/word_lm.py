@@ -81,29 +81,38 @@ def build(keras, tfstrat, vocab: int, steps: int, width: int, sampled: int):
     import tensorflow as tf
 
     class SampledSoftmaxLoss(keras.layers.Layer):
-        """Each token's loss over its target and `sampled` log-uniform words (corrected for
-        how often each is drawn, accidental hits masked): tf.nn.sampled_softmax_loss, with
-        the weights looked up from a table layer so that only these rows are read."""
+        """Each token's loss over its target and `sampled` words drawn log-uniformly (Zipf:
+        ids are ranked by frequency), corrected for how often each is drawn, accidental hits
+        masked: tf.nn.sampled_softmax_loss, with the weights looked up from a table layer so
+        that only these rows are read. The draws come from a Keras SeedGenerator (its state
+        advances every step under every strategy)."""
 
         def __init__(self, table, **kwargs):
             super().__init__(**kwargs)
             self.table = table
+            self.seed = keras.random.SeedGenerator(1)
 
         def call(self, hidden, targets):
             d = hidden.shape[-1]
             h = tf.reshape(hidden, [-1, d])
-            t = tf.reshape(tf.cast(targets, tf.int64), [-1, 1])
-            words, true_count, word_count = tf.random.log_uniform_candidate_sampler(
-                t, 1, sampled, True, vocab
-            )
-            rows = self.table(tf.cast(tf.concat([t[:, 0], words], 0), tf.int32))
+            t = tf.reshape(tf.cast(targets, tf.int32), [-1])
+            log_range = float(np.log(vocab + 1))
+            u = keras.random.uniform((sampled,), seed=self.seed)
+            words = tf.clip_by_value(tf.cast(tf.exp(u * log_range), tf.int32) - 1, 0, vocab - 1)
+
+            def log_expected(ids):  # log(sampled * Q(id)), Q(id) = log((id+2)/(id+1))/log(V+1)
+                ids = tf.cast(ids, tf.float32)
+                return tf.math.log(sampled * tf.math.log((ids + 2) / (ids + 1)) / log_range)
+
+            rows = self.table(tf.concat([t, words], 0))
             n = tf.shape(h)[0]
             true_rows, word_rows = rows[:n], rows[n:]
             true_logit = tf.reduce_sum(h * true_rows[:, :d], -1) + true_rows[:, d]
-            true_logit -= tf.math.log(true_count[:, 0])
+            true_logit -= log_expected(t)
             logits = tf.matmul(h, word_rows[:, :d], transpose_b=True) + word_rows[:, d]
-            logits -= tf.math.log(word_count)
-            logits = tf.where(tf.equal(t, words[None, :]), tf.fill(tf.shape(logits), -1e9), logits)
+            logits -= log_expected(words)[None, :]
+            hit = tf.equal(t[:, None], words[None, :])
+            logits = tf.where(hit, tf.fill(tf.shape(logits), -1e9), logits)
             logits = tf.concat([true_logit[:, None], logits], 1)
             loss = tf.nn.sparse_softmax_cross_entropy_with_logits(tf.zeros([n], tf.int32), logits)
             return tf.reshape(loss, tf.shape(targets))
