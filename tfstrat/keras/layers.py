@@ -7,6 +7,11 @@ the ps and only the looked-up rows travel; its gradient stays `IndexedSlices`. U
 that partitions tables (`tfstrat.ParameterServer(partitions=...)`), the table is built as
 parts split along the first axis, one variable per part, each on its own ps task.
 
+Its table's gradient holds one row per distinct id (the repeats' sum; the repeats' rows are zero),
+so Adam, Adagrad and RMSprop step on the table's true gradient under every strategy and on one
+device: with ids that repeat in a batch a stock Embedding takes larger steps (Keras 3 squares
+each repeat separately), which no multi-replica strategy can reproduce.
+
 Same arguments, weight names and saved format as `keras.layers.Embedding`: a partitioned table
 is saved as one array and loads into a stock layer, or into a different number of parts.
 Under `tfstrat.Hybrid` with ps tasks the table lives on the ps tasks (`tfstrat.ps.remote`): the
@@ -40,6 +45,36 @@ def part_bounds(rows: int, parts: int) -> list[tuple[int, int]]:
     `tf.nn.embedding_lookup`'s "div" strategy expects."""
     edges = np.cumsum([0] + [len(a) for a in np.array_split(np.arange(rows), parts)])
     return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:])]
+
+
+@tf.custom_gradient
+def _one_row_per_id(rows, ids):
+    """Identity on `rows` (the lookup of `ids`) whose gradient gives each id's summed gradient
+    to its first occurrence and zero to its repeats.
+
+    Why: the table's gradient is an `IndexedSlices` with one row per looked-up id. Keras 3's
+    Adam (and every optimizer that squares the gradient: Adagrad, RMSprop, ...) squares those
+    rows before it sums the repeats, so on one device an id seen k times in a batch gets
+    `sum(g_i**2)` as its second moment instead of `(sum g_i)**2`: a step up to sqrt(k) times
+    larger than Adam's. Replicas cannot reproduce that (tfstrat's sparse reduction sums the
+    repeats, and so does a densified gradient), so one device and two replicas disagreed
+    (examples/word_lm.py: held-out perplexity 15 against 99). With the repeats summed here, every strategy, one device included,
+    applies Adam to the table's true gradient. The row count stays static (the all-gather
+    of sparse gradients pads to it).
+    """
+
+    def grad(dy):
+        dy = tf.convert_to_tensor(dy)
+        flat = tf.reshape(ids, [-1])
+        count = tf.size(flat)
+        unique, position = tf.unique(flat)
+        values = tf.reshape(dy, tf.stack([count, -1]))
+        sums = tf.math.unsorted_segment_sum(values, position, tf.size(unique))
+        first = tf.math.unsorted_segment_min(tf.range(count), position, tf.size(unique))
+        merged = tf.scatter_nd(first[:, None], sums, tf.shape(values))
+        return tf.ensure_shape(tf.reshape(merged, tf.shape(dy)), dy.shape), None
+
+    return tf.identity(rows), grad
 
 
 class _TableSlots(KerasSaveable):
@@ -170,7 +205,7 @@ class Embedding(keras.layers.Embedding):
             inputs = tf.cast(inputs, tf.int32)
         # Each gather is colocated with its part: it runs on the part's ps task.
         outputs = tf.nn.embedding_lookup(tables if len(tables) > 1 else tables[0], inputs)
-        return tf.cast(outputs, self.compute_dtype)
+        return tf.cast(_one_row_per_id(outputs, inputs), self.compute_dtype)
 
     def save_own_variables(self, store):
         if self._remote is not None:
