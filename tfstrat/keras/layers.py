@@ -58,9 +58,9 @@ def _one_row_per_id(rows, ids):
     `sum(g_i**2)` as its second moment instead of `(sum g_i)**2`: a step up to sqrt(k) times
     larger than Adam's. Replicas cannot reproduce that (tfstrat's sparse reduction sums the
     repeats, and so does a densified gradient), so one device and two replicas disagreed
-    (examples/word_lm.py: held-out perplexity 15 against 99). With the repeats summed here, every strategy, one device included,
-    applies Adam to the table's true gradient. The row count stays static (the all-gather
-    of sparse gradients pads to it).
+    (examples/word_lm.py: held-out perplexity 15 against 99). With the repeats summed here,
+    every strategy, one device included, applies Adam to the table's true gradient. The row
+    count stays static (the all-gather of sparse gradients pads to it).
     """
 
     def grad(dy):
