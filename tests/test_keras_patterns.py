@@ -19,7 +19,15 @@ from table import run_strategy  # noqa: E402
 
 # keras.io's GAN (no call(), two optimizers of its own) and the other patterns that reach the
 # most machinery in one run each.
-FAST = ["gan", "custom_steps", "multi_io", "steps_per_execution", "preprocessing", "lr_schedules"]
+FAST = [
+    "gan",
+    "custom_steps",
+    "multi_io",
+    "steps_per_execution",
+    "preprocessing",
+    "lr_schedules",
+    "sequence_dense",
+]
 # Loss trackers a custom train_step updates with the loss Keras returns, which Keras 3 divides
 # by the replica count under any strategy (`scale_loss_for_distribution`, stock too): these
 # logs read 1/replicas of one device's; the weights are exact.

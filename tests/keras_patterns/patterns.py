@@ -229,6 +229,24 @@ def scalar_loss(ctx):
     return result(model, history_and_eval(model, history, x, target))
 
 
+def sequence_dense(ctx):
+    """A Dense on 3-D input (as in sequence models): TF 2.21 gives its kernel's gradient an
+    unknown static shape, (None, units), which once crashed tfstrat's reduction."""
+    import keras
+
+    x, y = data()
+    x = x.reshape(ROWS, 4, FEATURES // 4)
+    with ctx.scope():
+        seeded()
+        inputs = keras.Input((4, FEATURES // 4))
+        hidden = keras.layers.Dense(16, activation="relu")(inputs)
+        hidden = keras.layers.GlobalAveragePooling1D()(hidden)
+        model = keras.Model(inputs, keras.layers.Dense(CLASSES)(hidden))
+        model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss=sparse_ce())
+    history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    return result(model, history_and_eval(model, history, x, y))
+
+
 def mixed_float16(ctx):
     import keras
 
@@ -296,5 +314,6 @@ PATTERNS = {
         batchnorm_sync,
         steps_per_execution,
         scalar_loss,
+        sequence_dense,
     )
 }

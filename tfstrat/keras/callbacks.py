@@ -22,6 +22,10 @@ at the next batch in the same order (array input; see `tfstrat.strategies._shuff
 Drop-in replacements, same arguments:
 
     from tfstrat.keras.callbacks import BackupAndRestore, ModelCheckpoint, TensorBoard
+
+`Throughput` (tfstrat.keras._throughput) puts global examples/s (and, under ParameterServer and
+Hybrid with ps tasks, bytes per step to the ps) on the progress bar, in History and TensorBoard;
+tfstrat strategies add one to every fit (`TFSTRAT_THROUGHPUT=0` stops that).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import uuid
 
 import keras
 
+from tfstrat.keras._throughput import Throughput  # noqa: F401  (re-exported)
 from tfstrat.strategies import _shuffle
 
 logger = logging.getLogger(__name__)

@@ -48,7 +48,8 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
         if replica_id != 0 or tf.executing_eagerly():  # traced steps only, not metric reads
             return
         self.traced.append((kind, shapes))
-        nbytes = sum(t.shape.num_elements() * t.dtype.size for t in tensors)
+        # A tensor of unknown static size counts 0: a lower bound, never a crash.
+        nbytes = sum((t.shape.num_elements() or 0) * t.dtype.size for t in tensors)
         self.last_call.append((kind, nbytes))
 
     def bytes_sent_per_worker(self) -> int:

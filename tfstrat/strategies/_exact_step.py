@@ -169,12 +169,23 @@ def _extras_dtype(grads):
     return dense[0] if dense and dense[0] in (tf.float32, tf.float64) else tf.float32
 
 
+def _with_static_shape(grad, variable):
+    if isinstance(grad, tf.IndexedSlices) or grad.shape.is_fully_defined():
+        return grad
+    shape = getattr(variable, "shape", None)
+    if shape is None or not tf.TensorShape(shape).is_fully_defined():
+        return grad
+    return tf.ensure_shape(grad, shape)
+
+
 def step_reduce(reduce_sum, stop, replicas: int):
     """Keras's gradient all-reduce (`optimizer._all_reduce_sum_gradients`), carrying the stop
     flags (`_stopping`, multi-worker only), the rows weighting and the metric states."""
 
     def reduce(grads_and_vars):
-        pairs = list(grads_and_vars)
+        # A dense gradient can lose its static shape (TF 2.21: Dense on 3-D input gives its
+        # kernel a (None, units) gradient); the variable's shape lets the ring carry it.
+        pairs = [(g if g is None else _with_static_shape(g, v), v) for g, v in grads_and_vars]
         have = [i for i, (g, _) in enumerate(pairs) if g is not None]
         context = tf.distribute.get_replica_context()
         rows = _step.rows if _step.scaled else None

@@ -97,9 +97,13 @@ def seed_shuffles(set_global_seed: bool = True) -> None:
         )
     if not _installed:
         _install()
-    from tfstrat.keras import _build  # every tfstrat strategy's other Keras hook (keras.io's GAN)
+    from tfstrat.keras import (
+        _build,  # every tfstrat strategy's other Keras hook (keras.io's GAN)
+        _throughput,
+    )
 
     _build.install()
+    _throughput.install()  # examples/s on the progress bar and in History (TFSTRAT_THROUGHPUT=0)
 
 
 def _install() -> None:
