@@ -38,12 +38,17 @@ def _multihost():
 
 
 CNN = {"model": "small", "image": 32, "batch_per_device": 64, "accuracy": True}
+WIDE = {"model": "wide", "image": 32, "batch_per_device": 64, "accuracy": True}
 ROWS = [  # (row, model, label, worker strategy, workload, ps tasks): multihost's row shape
     ("B-2", "small CNN", "CollectiveAllReduce", "collective", CNN, 0),
     ("L-2-s1", "small CNN", "LocalSGD, sync every 1", "localsgd-1", CNN, 0),
     ("L-2-s4", "small CNN", "LocalSGD, sync every 4", "localsgd-4", CNN, 0),
     ("L-2-s16", "small CNN", "LocalSGD, sync every 16", "localsgd-16", CNN, 0),
     ("D-2-s16", "small CNN", "DiLoCo (outer Nesterov), sync every 16", "diloco-16", CNN, 0),
+    # A model whose step is bound by the link: 10.5M weights, 42 MB all-reduced per step.
+    ("B-2-wide", "wide MLP", "CollectiveAllReduce", "collective", WIDE, 0),
+    ("L-2-s16-wide", "wide MLP", "LocalSGD, sync every 16", "localsgd-16", WIDE, 0),
+    ("D-2-s16-wide", "wide MLP", "DiLoCo (outer Nesterov), sync every 16", "diloco-16", WIDE, 0),
 ]
 
 
@@ -55,13 +60,17 @@ def table(rows: list[dict], links: dict, args, machine: dict) -> str:
     for n in networks:
         headers += [f"{n}: ex/s (min-max)", f"{n}: vs B-2", f"{n}: accuracy"]
     headers += ["bytes sent/step/worker"]
-    base = {
-        n: next((r["results"][n].get("examples_per_s") for r in rows if r["row"] == "B-2"), None)
+    base = {  # vs B-2 of the same model (B-2, B-2-wide)
+        ("wide" if b["row"].endswith("-wide") else "", n): b["results"][n].get("examples_per_s")
+        for b in rows
+        if b["row"].startswith("B-2")
         for n in networks
+        if n in b["results"]
     }
     body = []
     for r in rows:
         cells = [r["row"], r["label"]]
+        kind = "wide" if r["row"].endswith("-wide") else ""
         for n in networks:
             m = r["results"].get(n, {})
             if "examples_per_s" not in m:
@@ -69,7 +78,7 @@ def table(rows: list[dict], links: dict, args, machine: dict) -> str:
                 continue
             x = m["examples_per_s"]
             cells.append(f"{x:,.0f} ({m['examples_per_s_min']:,.0f}-{m['examples_per_s_max']:,.0f})")
-            cells.append(f"{x / base[n]:.2f}" if base.get(n) else "-")
+            cells.append(f"{x / base[kind, n]:.2f}" if base.get((kind, n)) else "-")
             acc = m.get("accuracy")
             cells.append(f"{acc:.1%}" if acc is not None else "-")
         sent = next(
