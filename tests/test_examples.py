@@ -46,15 +46,10 @@ CI = [
     ("wide_deep", "mirrored", 0, 0),
     ("resnet_scaling", "mirrored", 0, 0),
 ]
-# Known: word_lm on 2 workers under CollectiveAllReduce, Hybrid and ParameterServer (sync)
-# runs but learns far slower than in one process on the same global batches (held-out
-# perplexity 99-135 against 15-16; LocalSGD on 2 workers: 17.7). Not explained yet (an LSTM
-# and a sampled softmax over a table; wide_deep's tables and resnet train fine on 2 workers).
-SLOW_LM = pytest.mark.xfail(reason="word_lm learns slowly on 2 synchronous workers", strict=False)
 ALL = CI + [
-    pytest.param("word_lm", "hybrid", 2, 1, marks=SLOW_LM),
-    pytest.param("word_lm", "car", 2, 0, marks=SLOW_LM),
-    pytest.param("word_lm", "ps", 2, 1, marks=SLOW_LM),
+    ("word_lm", "hybrid", 2, 1),
+    ("word_lm", "car", 2, 0),
+    ("word_lm", "ps", 2, 1),
     ("word_lm", "auto", 0, 0),
     ("wide_deep", "hybrid", 2, 1),
     ("wide_deep", "car", 2, 0),
