@@ -30,12 +30,12 @@ def test_examples_per_s_in_history_is_rows_over_the_epochs_seconds(run):
     assert len(history["examples_per_s"]) == 2
     for rate, s in zip(history["examples_per_s"], seconds, strict=True):
         assert rate > 0
-        # 640 rows; the test's clock stops a callback later than Throughput's: within 20%.
-        assert 0.8 <= rate * s / 640 <= 1.2, (rate, s)
+        # 640 rows over 10 batches of a fake clock that ticks 1 s per batch: 64 rows/s.
+        assert s == 10 and rate == pytest.approx(640 / s, rel=1e-9), (rate, s)
     # A last partial batch counts as its rows: 650 rows, not 11 x 64.
     partial = report["partial"]
     rate, s = partial["history"]["examples_per_s"][0], partial["seconds"][0]
-    assert 0.8 <= rate * s / 650 <= 1.2, (rate, s)
+    assert s == 11 and rate == pytest.approx(650 / s, rel=1e-9), (rate, s)
     assert "ps_bytes_per_step" not in history  # no ps tasks
 
 
