@@ -91,3 +91,13 @@ def test_bytes_per_step_scale_with_rows_touched_not_vocabulary(tmp_path):
     table_bytes = (1000 + 500) * 10 * 8 * 4
     assert 0 < sent[10] < 0.2 * table_bytes, sent
     assert abs(sent[10] - sent[1]) <= 0.2 * sent[1], sent
+
+
+@pytest.mark.timeout(300)
+def test_a_ps_table_over_grpcs_message_limit_saves_and_loads_into_stock_keras(tmp_path):
+    # 70,000 x 32 on one ps (8.5 MiB): read in one RPC, gRPC refused it ("Received message
+    # larger than max"), so such a model could not be saved.
+    code, out = launch_script("hybrid_big_table_save.py", str(tmp_path), workers=2, ps=1)
+    assert code == 0, out[-6000:]
+    (line,) = [x for x in out.splitlines() if "] round trip " in x]
+    assert float(line.rsplit(" ", 1)[1]) < 1e-5, line

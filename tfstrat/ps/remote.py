@@ -88,7 +88,9 @@ class _Named:
 _I64 = tf.TensorSpec([], tf.int64)
 _IDS = tf.TensorSpec([None], tf.int64)
 _ROWS = tf.TensorSpec([None], tf.float32)
-_CHUNK = 65536  # rows per RPC when a checkpoint reads or writes a table
+# Bytes per RPC when a checkpoint reads or writes a table: gRPC refuses messages over 4 MiB
+# ("Received message larger than max"), so a chunk holds at most 3 MiB of rows.
+_CHUNK_BYTES = 3 << 20
 
 
 class RemoteTable:
@@ -121,18 +123,22 @@ class RemoteTable:
 
     # -- reading and writing whole tables and slots (checkpoints) -----------------------------
 
+    def _chunk_rows(self) -> int:
+        return max(1, _CHUNK_BYTES // (4 * self.dim))
+
     def _read_rows(self, ps, method, head, rows) -> np.ndarray:
-        chunks = []
-        for a in range(0, rows, _CHUNK):
-            b = min(rows, a + _CHUNK)
+        chunks, step = [], self._chunk_rows()
+        for a in range(0, rows, step):
+            b = min(rows, a + step)
             args = [*head, tf.constant(a, tf.int64), tf.constant(b, tf.int64)]
             flat = self.clients.call(ps, method, args, _ROWS).get_value()
             chunks.append(flat.numpy().reshape(b - a, self.dim))
         return np.concatenate(chunks, axis=0) if chunks else np.zeros((0, self.dim), np.float32)
 
     def _write_rows(self, ps, method, head, rows: np.ndarray) -> None:
-        for a in range(0, len(rows), _CHUNK):
-            flat = rows[a : a + _CHUNK].reshape(-1)
+        step = self._chunk_rows()
+        for a in range(0, len(rows), step):
+            flat = rows[a : a + step].reshape(-1)
             args = [*head, tf.constant(a, tf.int64), tf.constant(flat)]
             self.clients.call(ps, method, args, _I64).get_value()
 
