@@ -152,31 +152,16 @@ def main(argv=None) -> int:
             )
             links[name] = multihost.link_mb_per_s(nets[name], args.link_mb)
         print("link MB/s", links, flush=True)
-        for row in rows:
-            for name in links:
-                load = os.getloadavg()[0]
-                if name == "loopback":
-                    result = multihost.run_loopback(specs[row["row"]], args)
-                else:
-                    result = multihost.run_netns(nets[name], specs[row["row"]], args)
-                result["load_before"] = load
-                row["results"][name] = result
-                speed = result.get("examples_per_s")
-                print(row["row"], name, f"{speed:,.0f} ex/s" if speed else result.get("error"),
-                      f"accuracy {result.get('accuracy')}", f"(load {load:.1f})", flush=True)  # fmt: skip
-    os.makedirs(args.out, exist_ok=True)
+        multihost.measure(rows, specs, nets, links, args, _describe)
     text = table(rows, links, args, machine)
-    with open(os.path.join(args.out, "localsgd.md"), "w") as f:
-        f.write(text + "\n")
-    with open(os.path.join(args.out, "localsgd.json"), "w") as f:
-        json.dump(
-            {"links_mb_per_s": links, "rows": rows, "machine": machine, "args": vars(args)},
-            f,
-            indent=1,
-        )
-    print(text)
+    multihost.write(args.out, "localsgd", text, links, rows, machine, args)
     return 0
 
+
+def _describe(result: dict) -> str:
+    speed = result.get("examples_per_s")
+    shown = f"{speed:,.0f} ex/s" if speed else result.get("error")
+    return f"{shown} accuracy {result.get('accuracy')}"
 
 if __name__ == "__main__":
     sys.exit(main())

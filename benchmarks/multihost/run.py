@@ -298,28 +298,38 @@ def main(argv=None) -> int:
         links = {"loopback": loopback_link_mb_per_s()}
         links.update((name, link_mb_per_s(net)) for name, net in nets.items())
         print("link MB/s", links, flush=True)
-        for row in rows:
-            for name in ("loopback", *nets):
-                load = os.getloadavg()[0]
-                if name == "loopback":
-                    result = run_loopback(specs[row["row"]], args)
-                else:
-                    result = run_netns(nets[name], specs[row["row"]], args)
-                result["load_before"] = load
-                row["results"][name] = result
-                print(row["row"], name, _speed(result), f"(load {load:.1f})", flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    text = table(rows, links, args, machine)
-    with open(os.path.join(args.out, "multihost.md"), "w") as f:
+        measure(rows, specs, nets, links, args, _speed)
+    write(args.out, "multihost", table(rows, links, args, machine), links, rows, machine, args)
+    return 0
+
+
+def measure(rows, specs, nets, links, args, describe) -> None:
+    """Runs every row on every network of `links` ("loopback" or a name in `nets`), one row's
+    networks back to back, into `row["results"][network]`; prints `describe(result)`."""
+    for row in rows:
+        for name in links:
+            load = os.getloadavg()[0]
+            if name == "loopback":
+                result = run_loopback(specs[row["row"]], args)
+            else:
+                result = run_netns(nets[name], specs[row["row"]], args)
+            result["load_before"] = load
+            row["results"][name] = result
+            print(row["row"], name, describe(result), f"(load {load:.1f})", flush=True)
+
+
+def write(out_dir, name, text, links, rows, machine, args) -> None:
+    """OUT_DIR/NAME.md (the table `text`) and OUT_DIR/NAME.json (everything measured)."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
         f.write(text + "\n")
-    with open(os.path.join(args.out, "multihost.json"), "w") as f:
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump(
             {"links_mb_per_s": links, "rows": rows, "machine": machine, "args": vars(args)},
             f,
             indent=1,
         )
     print(text)
-    return 0
 
 
 def _speed(result: dict) -> str:
