@@ -79,3 +79,50 @@ def test_turned_off_by_the_switch():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "False", out.stdout
+
+
+def _embedding_step(strategy, vocab=4000, dim=8):
+    """One Adagrad step of a tfstrat Embedding model: (table before, table after, graph)."""
+    from tfstrat.keras.layers import Embedding
+
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [keras.Input((3,), dtype="int32"), Embedding(vocab, dim), keras.layers.Flatten(),
+             keras.layers.Dense(1)]
+        )
+        opt = keras.optimizers.Adagrad(0.5)
+        opt.build(model.trainable_variables)
+    before = model.layers[0].embeddings.numpy()
+
+    def replica_step(ids, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(ids) - y))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    step = tf.function(lambda ids, y: strategy.run(replica_step, (ids, y)))
+    ids, y = tf.constant([[1, 7, 1], [3, 7, 9]]), tf.constant([[1.0], [-1.0]])
+    step(ids, y)
+    return before, model.layers[0].embeddings.numpy(), step.get_concrete_function(ids, y).graph
+
+
+def test_a_distributed_table_is_read_row_wise_by_the_lookup_and_by_adagrad():
+    """A `tf.gather` on a tf.distribute variable copies the whole variable first (no
+    `sparse_read`): the lookup and Adagrad's accumulator rows must gather from this replica's
+    own component (tfstrat/keras/_local.py), and train exactly as without a strategy."""
+    vocab, dim = 4000, 8
+    before, mirrored, graph = _embedding_step(tf.distribute.MirroredStrategy(["/cpu:0"]), vocab, dim)
+    whole = [
+        op.name
+        for op in graph.get_operations()
+        if op.type == "ReadVariableOp" and op.outputs[0].shape.as_list() == [vocab, dim]
+    ]
+    assert not whole, f"whole-table reads in the step: {whole}"
+    gathers = [op for op in graph.get_operations() if op.type == "ResourceGather"]
+    assert len(gathers) >= 2, [op.type for op in graph.get_operations()]  # lookup + accumulator
+    _, plain, _ = _embedding_step(tf.distribute.get_strategy(), vocab, dim)
+    np.testing.assert_allclose(mirrored, plain, rtol=1e-6, atol=1e-7)
+    touched, untouched = [1, 3, 7, 9], [0, 2, 4, 5, 6, 8]
+    assert (mirrored[touched] != before[touched]).all(axis=1).all()  # the gradient reached them
+    np.testing.assert_array_equal(mirrored[untouched], before[untouched])

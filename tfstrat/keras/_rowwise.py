@@ -24,6 +24,8 @@ from __future__ import annotations
 import logging
 import os
 
+from tfstrat.keras import _local
+
 logger = logging.getLogger(__name__)
 SWITCH = "TFSTRAT_ROWWISE"
 _installed = False
@@ -67,6 +69,6 @@ def _adagrad_rows(optimizer, tf, gradient, variable, learning_rate):
     indices, shape = gradient.indices, gradient.dense_shape
     accumulator = optimizer._accumulators[optimizer._get_variable_index(variable)]
     optimizer.assign_add(accumulator, tf.IndexedSlices(ops.square(values), indices, shape))
-    rows = tf.gather(accumulator.value, indices)  # a resource gather: no read of the whole slot
+    rows = _local.rows(accumulator.value, indices)  # no read of the whole slot
     step = ops.divide(ops.multiply(lr, values), ops.sqrt(ops.add(rows, optimizer.epsilon)))
     optimizer.assign_sub(variable, tf.IndexedSlices(step, indices, shape))

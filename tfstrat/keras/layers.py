@@ -29,6 +29,8 @@ import numpy as np
 import tensorflow as tf
 from keras.src.saving.keras_saveable import KerasSaveable
 
+from tfstrat.keras import _local
+
 
 def _layout(layer) -> list[int | None]:
     """The ps task of each part of `layer`'s table ([None]: one part, placed as usual)."""
@@ -188,10 +190,11 @@ class Embedding(keras.layers.Embedding):
         return super().embeddings
 
     def _tables(self):
+        # This replica's own variables: a gather on a tf.distribute variable reads all of it.
         if self._parts:
-            return [p.value for p in self._parts]
+            return [_local.local(p.value) for p in self._parts]
         table = self._embeddings.value if self._embeddings is not None else None
-        return [table] if isinstance(table, tf.Variable) else None
+        return [_local.local(table)] if isinstance(table, tf.Variable) else None
 
     def call(self, inputs):
         if self._remote is not None:
