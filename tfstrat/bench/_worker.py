@@ -244,6 +244,12 @@ def main(config: dict) -> dict:
     callbacks = [clock] + ([traffic] if ps_ports or local_sgd else [])
     model.fit(data, steps_per_epoch=steps, epochs=1 + repeats, verbose=0, callbacks=callbacks)
     timed = clock.seconds[1:]  # epoch 0 traces and warms up
+    profile_dir = os.environ.get("TFSTRAT_BENCH_PROFILE")
+    if profile_dir:  # 10 more steps, traced: `python benchmarks/profile_summary.py DIR/TASK`
+        task = os.environ.get("TFSTRAT_TASK", "worker:0").replace(":", "-")
+        tf.profiler.experimental.start(os.path.join(profile_dir, task))
+        model.fit(data, steps_per_epoch=10, epochs=1, verbose=0)
+        tf.profiler.experimental.stop()
     rates = [steps * global_batch / s for s in timed]
     ops = getattr(getattr(strategy, "extended", None), "_cross_device_ops", None)
     sent = ops.bytes_sent_per_worker() if hasattr(ops, "bytes_sent_per_worker") else None
