@@ -1,5 +1,7 @@
 """tfstrat.keras.layers.Embedding outside any strategy: a drop-in for keras.layers.Embedding."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -102,6 +104,68 @@ def test_a_ps_held_table_saves_its_optimizer_slots_where_a_stock_model_does_not_
         np.testing.assert_array_equal(table.numpy(), expected_table)
         restored = table.slots({})["accumulator"]
         np.testing.assert_array_equal(restored, expected_slots["accumulator"])
+    finally:
+        server.kill()
+        server.wait()
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+def test_a_ps_table_server_answers_lookups_over_4_mib_and_names_itself_in_errors():
+    """The table server (tfstrat/ps/wire.py) on a real ps task: one lookup of 6 MiB of rows in a
+    traced step (tf.distribute.experimental.rpc refused messages over 4 MiB), a push whose
+    Adagrad update touches only its rows, and a bad id and a stopped ps each failing with an
+    error that names the method and the ps task."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import tensorflow as tf
+
+    from tfstrat.cluster import TFConfig, _free_port_pairs
+    from tfstrat.ps.connect import wait_for_ps
+    from tfstrat.ps.remote import RemoteTable, TableClients
+
+    ps, worker = (f"127.0.0.1:{p}" for p in _free_port_pairs(2))
+    config = TFConfig({"ps": [ps], "worker": [worker]}, "ps", 0)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "tfstrat", "server"], env=dict(os.environ, **config.to_env())
+    )
+    rows, dim = 30_000, 64  # 7.3 MiB
+    try:
+        wait_for_ps(config, 60, port_offset=1)
+        clients = TableClients([ps], timeout=20, worker=0)
+        table = RemoteTable(clients, "big", rows, dim, [(0, 0, 0, rows)], 1, {"zeros": True})
+        table.assign(np.arange(rows * dim, dtype="float32").reshape(rows, dim))
+        ids = tf.constant(np.arange(rows - 1, -1, -1)[: 25_000], tf.int64)  # 6.1 MiB of rows
+
+        @tf.function
+        def fetch(ids):
+            return table.fetch(ids)
+
+        got = fetch(ids).numpy()
+        np.testing.assert_array_equal(got, table.numpy()[ids.numpy()])
+
+        hyper = tf.constant([1.0, 0.5, 0.9, 0.999, 1e-7, 0.1])  # Adagrad, lr 0.5
+        before = table.numpy()
+        table.push(tf.constant([3, 7], tf.int64), tf.ones([2, dim]), tf.constant(0, tf.int64), hyper)
+        after = table.numpy()
+        step = np.float32(0.5) / np.sqrt(np.float32(1.1) + np.float32(1e-7))
+        np.testing.assert_allclose(after[[3, 7]], before[[3, 7]] - step, rtol=1e-6)
+        np.testing.assert_array_equal(np.delete(after, [3, 7], 0), np.delete(before, [3, 7], 0))
+
+        where = f"on ps:0 (table server at 127.0.0.1:{int(ps.rsplit(':', 1)[1]) + 1})"
+        with pytest.raises(Exception, match=r"lookup " + re.escape(where) + r".*id 30000 is outside"):
+            fetch(tf.constant([1, rows], tf.int64))
+        np.testing.assert_array_equal(fetch(tf.constant([1], tf.int64)).numpy()[0], after[1])
+
+        server.kill()
+        server.wait()
+        start = time.monotonic()
+        with pytest.raises(Exception, match=r"lookup " + re.escape(where) + ".*(closed|connect)"):
+            fetch(ids)
+        assert time.monotonic() - start < 20 + 30  # the call's timeout, and start-up slack
     finally:
         server.kill()
         server.wait()

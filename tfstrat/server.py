@@ -78,8 +78,8 @@ _table_servers: list = []  # kept alive with the process
 
 
 def _serve_tables(tf_config: TFConfig, task: str) -> None:
-    """Hybrid's tables: an RPC server on the ps task's tfstrat port (TF_CONFIG port + 1), bound
-    to the ps's own address towards the workers (`tfstrat._ports`)."""
+    """Hybrid's tables: a table server (`tfstrat.ps.tables`) on the ps task's tfstrat port
+    (TF_CONFIG port + 1), bound to the ps's own address towards the workers (`tfstrat._ports`)."""
     from tfstrat import _ports
     from tfstrat.ps.tables import serve_tables
 
@@ -88,18 +88,10 @@ def _serve_tables(tf_config: TFConfig, task: str) -> None:
     host = _ports.route_source(trainers) or _ports.wildcard(_ports.split(address)[0])
     rpc = _ports.join(host, _ports.tfstrat_port(address))
     what = f"table server (TF_CONFIG port + {_ports.offset()})"
-    # TensorFlow's rpc Server.start() does not raise for a port it cannot bind (it logs
-    # "Failed to add port to server"), and the workers would wait their whole timeout.
     try:
-        _ports.listen(host, _ports.tfstrat_port(address), task, what).close()
+        _table_servers.append(serve_tables(host, _ports.tfstrat_port(address), task, what))
     except _ports.ListenError as e:
         raise ServerError(str(e)) from None
-    try:
-        _table_servers.append(serve_tables(rpc))
-    except Exception as e:  # TensorFlow raises several kinds for a failed start
-        raise ServerError(
-            f"Could not start the {task} {what} at {rpc}: {str(e).splitlines()[0]}."
-        ) from e
     logger.info("tfstrat server: %s tables at %s", task, rpc)
 
 

@@ -1,8 +1,9 @@
-"""The worker's side of ps-held tables (`tfstrat.ps.tables`): lookups and pushes over RPC.
+"""The worker's side of ps-held tables (`tfstrat.ps.tables`): lookups and pushes over TCP.
 
 A table of R rows split into P parts lives on the ps tasks part by part ("div" layout, as
 `tf.nn.embedding_lookup`). A lookup deduplicates the ids, asks each part's ps for its rows
-(the calls run concurrently) and stitches them back. Its gradient is never materialised for
+(all requests go out before the first answer is read) and stitches them back; in a step the
+calls are a `tf.numpy_function` over `tfstrat.ps.wire`. Its gradient is never materialised for
 the whole table: the rows' gradient is summed per id (local aggregation) and pushed to the
 parts, and what the layer hands to Keras is the gradient of a scalar "anchor" variable that
 depends on the pushes. That anchor's gradient is all-reduced with the dense gradients, so when
@@ -20,6 +21,7 @@ not scale (a custom train_step) pushes weight 0: the ps sums its pushes unweight
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import numpy as np
@@ -30,33 +32,51 @@ from tfstrat.ps.variables import ps_device
 
 
 class TableClients:
-    """One RPC client per ps task."""
+    """One connection per ps task's table server (`tfstrat.ps.wire`)."""
 
     def __init__(self, ps_addresses, timeout: float, worker: int):
-        self.addresses = [rpc_address(a) for a in ps_addresses]
-        self.timeout_ms = int(timeout * 1000)
-        self.clients = [
-            tf.distribute.experimental.rpc.Client.create(
-                "grpc", address, name=f"tfstrat_w{worker}_ps{i}", timeout_in_ms=self.timeout_ms
-            )
-            for i, address in enumerate(self.addresses)
-        ]
+        from tfstrat.ps import wire
 
-    def call(self, ps: int, method: str, args, out: tf.TensorSpec):
-        future = self.clients[ps].call(
-            method, args, output_specs=out, timeout_in_ms=self.timeout_ms
-        )
-        return _Named(future, f"{method} on ps:{ps} (table server at {self.addresses[ps]})")
+        self.addresses = [rpc_address(a) for a in ps_addresses]
+        self.timeout = timeout
+        self.connections = [
+            wire.Connection(address, timeout, f"ps:{i}") for i, address in enumerate(self.addresses)
+        ]
+        self._lock = threading.Lock()  # one call (or set of calls) at a time, from any thread
+
+    def call(self, ps: int, method: str, *arrays) -> list[np.ndarray]:
+        """Calls `method` on ps task `ps` (raises `wire.TableServerError` naming it)."""
+        return self.call_all([(ps, method, arrays)])[0]
+
+    def call_all(self, calls) -> list[list[np.ndarray]]:
+        """`[(ps, method, arrays), ...]`: sends every request, then reads the answers in turn,
+        so the ps tasks work at once. Two calls to one ps go one after the other."""
+        out, pending = [None] * len(calls), {}
+        with self._lock:
+            try:
+                for i, (ps, method, arrays) in enumerate(calls):
+                    if ps in pending:  # one request in flight per connection
+                        j = pending.pop(ps)
+                        out[j] = self.connections[ps].receive(calls[j][1])
+                    self.connections[ps].send(method, *arrays)
+                    pending[ps] = i
+                while pending:
+                    ps, j = pending.popitem()
+                    out[j] = self.connections[ps].receive(calls[j][1])
+            except BaseException:
+                for ps in pending:  # unread answers: those connections start afresh
+                    self.connections[ps].close()
+                raise
+        return out
 
     def put_meta(self, key: int, value: int) -> None:
-        args = [tf.constant(key, tf.int64), tf.constant(value, tf.int64)]
-        self.call(0, "put_meta", args, _I64).get_value()
+        self.call(0, "put_meta", np.int64(key), np.int64(value))
 
     def wait_meta(self, key: int, timeout: float, what: str) -> int:
         """Polls ps 0 for the chief's `key` (e.g. a table's partition count)."""
         deadline, pause = time.monotonic() + timeout, 0.01
         while True:
-            value = int(self.call(0, "get_meta", [tf.constant(key, tf.int64)], _I64).get_value())
+            value = int(self.call(0, "get_meta", np.int64(key))[0])
             if value >= 0:
                 return value
             if time.monotonic() > deadline:
@@ -68,28 +88,8 @@ class TableClients:
             pause = min(2 * pause, 0.5)
 
 
-class _Named:
-    """An RPC's future whose failure names the ps task: TensorFlow's own error says only
-    "Connection reset by peer (at emb/RpcGetValue)" or "Deadline Exceeded"."""
-
-    def __init__(self, future, what: str):
-        self._future, self._what = future, what
-
-    def get_value(self):
-        code, message = self._future.get_error()
-        check = tf.debugging.Assert(
-            tf.equal(code, 0),
-            [f"tfstrat: {self._what} failed (the ps task's TF_CONFIG port is one less):", message],
-        )
-        with tf.control_dependencies([check]):
-            return self._future.get_value()
-
-
-_I64 = tf.TensorSpec([], tf.int64)
-_IDS = tf.TensorSpec([None], tf.int64)
-_ROWS = tf.TensorSpec([None], tf.float32)
-# Bytes per RPC when a checkpoint reads or writes a table: gRPC refuses messages over 4 MiB
-# ("Received message larger than max"), so a chunk holds at most 3 MiB of rows.
+# Bytes per call when a checkpoint reads or writes a table: a 2M-row table moves in pieces, so
+# neither side holds a second copy of all of it in flight.
 _CHUNK_BYTES = 3 << 20
 
 
@@ -99,23 +99,13 @@ class RemoteTable:
     def __init__(self, clients: TableClients, name, rows, dim, parts, workers, init: dict):
         self.clients, self.name, self.rows, self.dim = clients, name, rows, dim
         self.parts, self.replicas = parts, workers
+        spec = np.frombuffer(json.dumps(init).encode(), np.uint8)
         for ps, number, lo, hi in parts:
-            clients.call(
-                ps,
-                "create",
-                [
-                    tf.constant(number, tf.int64),
-                    tf.constant(hi - lo, tf.int64),
-                    tf.constant(dim, tf.int64),
-                    tf.constant(workers, tf.int64),
-                    tf.constant(json.dumps(init)),
-                ],
-                _I64,
-            ).get_value()
+            clients.call(ps, "create", *np.array([number, hi - lo, dim, workers], np.int64), spec)
 
     def drop(self) -> None:
         for ps, number, _, _ in self.parts:
-            self.clients.call(ps, "drop", [tf.constant(number, tf.int64)], _I64).get_value()
+            self.clients.call(ps, "drop", np.int64(number))
 
     @property
     def devices(self) -> list[str]:
@@ -130,22 +120,19 @@ class RemoteTable:
         chunks, step = [], self._chunk_rows()
         for a in range(0, rows, step):
             b = min(rows, a + step)
-            args = [*head, tf.constant(a, tf.int64), tf.constant(b, tf.int64)]
-            flat = self.clients.call(ps, method, args, _ROWS).get_value()
-            chunks.append(flat.numpy().reshape(b - a, self.dim))
+            (flat,) = self.clients.call(ps, method, *head, np.int64(a), np.int64(b))
+            chunks.append(flat.reshape(b - a, self.dim))
         return np.concatenate(chunks, axis=0) if chunks else np.zeros((0, self.dim), np.float32)
 
     def _write_rows(self, ps, method, head, rows: np.ndarray) -> None:
         step = self._chunk_rows()
         for a in range(0, len(rows), step):
-            flat = rows[a : a + step].reshape(-1)
-            args = [*head, tf.constant(a, tf.int64), tf.constant(flat)]
-            self.clients.call(ps, method, args, _I64).get_value()
+            self.clients.call(ps, method, *head, np.int64(a), rows[a : a + step].reshape(-1))
 
     def numpy(self) -> np.ndarray:
         return np.concatenate(
             [
-                self._read_rows(ps, "read", [tf.constant(number, tf.int64)], hi - lo)
+                self._read_rows(ps, "read", [np.int64(number)], hi - lo)
                 for ps, number, lo, hi in self.parts
             ],
             axis=0,
@@ -154,7 +141,7 @@ class RemoteTable:
     def assign(self, table: np.ndarray) -> None:
         table = np.asarray(table, np.float32)
         for ps, number, lo, hi in self.parts:
-            self._write_rows(ps, "write", [tf.constant(number, tf.int64)], table[lo:hi])
+            self._write_rows(ps, "write", [np.int64(number)], table[lo:hi])
 
     def slots(self, fills: dict[str, float]) -> dict[str, np.ndarray]:
         """The optimizer slots the ps tasks hold for this table, each whole (by name).
@@ -164,8 +151,8 @@ class RemoteTable:
         """
         present = []
         for ps, number, _, _ in self.parts:
-            ids = self.clients.call(ps, "slots", [tf.constant(number, tf.int64)], _IDS)
-            present.append({SLOTS[i] for i in ids.get_value().numpy().tolist()})
+            (ids,) = self.clients.call(ps, "slots", np.int64(number))
+            present.append({SLOTS[i] for i in ids.tolist()})
         out = {}
         for name in SLOTS:
             if not any(name in p for p in present):
@@ -173,7 +160,7 @@ class RemoteTable:
             rows = []
             for (ps, number, lo, hi), have in zip(self.parts, present):
                 if name in have:
-                    head = [tf.constant(number, tf.int64), tf.constant(SLOTS.index(name), tf.int64)]
+                    head = [np.int64(number), np.int64(SLOTS.index(name))]
                     rows.append(self._read_rows(ps, "read_slot", head, hi - lo))
                 else:
                     rows.append(np.full((hi - lo, self.dim), fills.get(name, 0.0), np.float32))
@@ -189,44 +176,44 @@ class RemoteTable:
                     f"expected one of {list(SLOTS)} with shape {(self.rows, self.dim)}."
                 )
             for ps, number, lo, hi in self.parts:
-                head = [tf.constant(number, tf.int64), tf.constant(SLOTS.index(name), tf.int64)]
+                head = [np.int64(number), np.int64(SLOTS.index(name))]
                 self._write_rows(ps, "write_slot", head, value[lo:hi])
 
     # -- in the step --------------------------------------------------------------------
 
-    def _split(self, ids):
+    def _split(self, ids: np.ndarray):
         """Per part: (positions in `ids`, ids local to the part)."""
-        bounds = [lo for _, _, lo, _ in self.parts[1:]]
-        part = (
-            tf.searchsorted(tf.constant(bounds, tf.int64), ids, side="right")
-            if bounds
-            else tf.zeros_like(ids, tf.int32)
-        )
-        part = tf.cast(part, tf.int32)
-        positions = tf.dynamic_partition(tf.range(tf.size(ids)), part, len(self.parts))
-        local = tf.dynamic_partition(ids, part, len(self.parts))
-        starts = [lo for _, _, lo, _ in self.parts]
-        return positions, [ids_k - starts[k] for k, ids_k in enumerate(local)]
+        starts = np.array([lo for _, _, lo, _ in self.parts], np.int64)
+        part = np.searchsorted(starts[1:], ids, side="right")
+        positions = [np.flatnonzero(part == k) for k in range(len(self.parts))]
+        return positions, [ids[p] - starts[k] for k, p in enumerate(positions)]
+
+    def _fetch(self, unique_ids: np.ndarray) -> np.ndarray:
+        positions, local = self._split(unique_ids)
+        calls = [(ps, "lookup", (np.int64(n), ids)) for (ps, n, _, _), ids in zip(self.parts, local)]
+        rows = np.empty((len(unique_ids), self.dim), np.float32)
+        for pos, (flat,) in zip(positions, self.clients.call_all(calls)):
+            rows[pos] = flat.reshape(-1, self.dim)
+        return rows
+
+    def _push(self, unique_ids, grads, step, hyper, rows) -> np.int64:
+        positions, local = self._split(unique_ids)
+        calls = [
+            (ps, "push", (np.int64(n), step, ids, grads[pos].reshape(-1), hyper, rows))
+            for (ps, n, _, _), pos, ids in zip(self.parts, positions, local)
+        ]
+        return np.int64(sum(int(v[0]) for v in self.clients.call_all(calls)))
 
     def fetch(self, unique_ids):
-        positions, local = self._split(unique_ids)
-        futures = [
-            self.clients.call(ps, "lookup", [tf.constant(number, tf.int64), ids_k], _ROWS)
-            for (ps, number, _, _), ids_k in zip(self.parts, local)
-        ]
-        rows = [tf.reshape(f.get_value(), [-1, self.dim]) for f in futures]
-        return tf.dynamic_stitch(positions, rows)
+        """The rows of `unique_ids` (a 1-D int64 tensor), shape [n, dim]."""
+        rows = tf.numpy_function(self._fetch, [unique_ids], tf.float32, stateful=True, name="fetch")
+        return tf.reshape(rows, [-1, self.dim])
 
     def push(self, unique_ids, grads, step, hyper, rows=None):
         """Pushes `grads` (already weighted) and their weight `rows` (None: 0, unweighted)."""
         rows = tf.constant(0.0) if rows is None else tf.cast(rows, tf.float32)
-        positions, local = self._split(unique_ids)
-        futures = []
-        for (ps, number, _, _), pos, ids_k in zip(self.parts, positions, local):
-            g = tf.reshape(tf.gather(grads, pos), [-1])
-            args = [tf.constant(number, tf.int64), step, ids_k, g, hyper, rows]
-            futures.append(self.clients.call(ps, "push", args, _I64))
-        return tf.add_n([f.get_value() for f in futures])
+        args = [unique_ids, tf.cast(grads, tf.float32), step, hyper, rows]
+        return tf.numpy_function(self._push, args, tf.int64, stateful=True, name="push")
 
     def lookup(self, ids, anchor, step_fn, hyper_fn):
         """Rows for `ids` (any shape); the gradient w.r.t. `anchor` pushes the rows' gradient."""

@@ -1,11 +1,11 @@
-"""Embedding tables held by ps tasks and reached through `tf.distribute.experimental.rpc`.
+"""Embedding tables held by ps tasks, served over tfstrat's own TCP calls (`tfstrat.ps.wire`).
 
 Hybrid's workers run collectives, which cannot share a process with remote eager devices
-(DESIGN.md fact 11), so its tables live behind an RPC server on each ps task (fact 12). All
-RPC methods must be registered before the server starts (fact 13) and a ps starts before any
-model exists, so the methods are generic over a registry of tables, addressed by number:
+(DESIGN.md fact 11), so its tables live in a table server on each ps task: NumPy arrays in the
+ps's memory, updated row by row, reached by a few methods over one TCP connection per worker.
+Tables are addressed by number (a ps starts before any model exists):
 
-    create(table, rows, dim, workers, init)    -> 0     (idempotent; `init` is JSON)
+    create(table, rows, dim, workers, init)    -> 0     (idempotent; `init` is JSON bytes)
     lookup(table, ids)                         -> rows, flattened
     push(table, step, ids, grads, hyper, rows) -> the table's version after this push
     read(table, lo, hi) / write(table, lo, v)  -> rows lo..hi, flattened / 0
@@ -22,14 +22,15 @@ change. Each push carries its rows' gradient already multiplied by its weight an
 weights, so replicas of unequal batches give the global batch's mean gradient (the same
 weighting `tfstrat.strategies._exact_step` gives mirrored variables) before any optimizer (SGD,
 Adagrad, Adam) or slot sees it. Pushes of weight 0 (a step whose loss Keras did not scale, a
-partition trial) are summed as they are. SGD and Adagrad updates equal Keras's dense update on the same gradient; Adam's is
-the lazy variant (rows not in the batch keep their moments and values).
+partition trial) are summed as they are. SGD and Adagrad updates equal Keras's dense update on
+the same gradient (float32 arithmetic, in Keras's order); Adam's is the lazy variant (rows not
+in the batch keep their moments and values).
 
 Checkpoints read and write the slots with the table (`tfstrat.keras.layers.Embedding`), so a
 run restored from one continues exactly. Adam's bias correction needs no state here: each push
 carries the step, which is the worker's `optimizer.iterations` (saved with the optimizer).
 
-The RPC server listens on the ps task's tfstrat port (TF_CONFIG port + 1, `tfstrat._ports`) on the
+The server listens on the ps task's tfstrat port (TF_CONFIG port + 1, `tfstrat._ports`) on the
 ps's own address towards the workers; the TF_CONFIG port itself serves `tf.distribute.Server`.
 """
 
@@ -40,7 +41,6 @@ import logging
 import threading
 
 import numpy as np
-import tensorflow as tf
 
 logger = logging.getLogger(__name__)
 
@@ -58,87 +58,116 @@ def rpc_address(ps_address: str) -> str:
 
 
 class Table:
-    """One table (or one part of a partitioned table) and its optimizer slots."""
+    """One table (or one part of a partitioned table) and its optimizer slots, in NumPy."""
 
     def __init__(self, rows: int, dim: int, workers: int, init: dict):
         self.rows, self.dim, self.workers = rows, dim, workers
-        self.value = tf.Variable(_initial(rows, dim, init), name="table")
-        self.slots: dict[str, tf.Variable] = {}
-        self.pending: list[tuple[tf.Tensor, tf.Tensor]] = []
+        self.value = _initial(rows, dim, init)
+        self.slots: dict[str, np.ndarray] = {}
+        self.pending: list[tuple[np.ndarray, np.ndarray]] = []
         self.pending_rows = 0.0  # the sum of the pending pushes' weights
         self.pending_step = None
         self.version = 0
         self.lock = threading.Lock()
 
+    def check(self, ids: np.ndarray) -> np.ndarray:
+        """`ids` as int64, or a ValueError naming the first outside 0..rows-1 (NumPy would
+        count a negative id from the end)."""
+        ids = np.asarray(ids, np.int64).reshape(-1)
+        bad = ids[(ids < 0) | (ids >= self.rows)]
+        if len(bad):
+            raise ValueError(
+                f"id {int(bad[0])} is outside this table part's rows 0..{self.rows - 1}. "
+                "Embedding inputs must be in [0, input_dim)."
+            )
+        return ids
+
     def lookup(self, ids):
-        return tf.reshape(tf.gather(self.value, ids), [-1])
+        return self.value[self.check(ids)].reshape(-1)
 
     def push(self, step, ids, grads, hyper, rows):
-        grads = tf.reshape(grads, [-1, self.dim])
+        grads = np.asarray(grads, np.float32).reshape(-1, self.dim)
+        step = int(step)
         with self.lock:
-            if self.pending and int(step) != self.pending_step:
+            if self.pending and step != self.pending_step:
                 raise ValueError(
-                    f"tfstrat table: a push for step {int(step)} while step "
+                    f"tfstrat table: a push for step {step} while step "
                     f"{self.pending_step} has {len(self.pending)} of {self.workers} pushes. "
                     "Every worker must run the same steps."
                 )
-            self.pending.append((ids, grads))
+            self.pending.append((self.check(ids), grads))
             self.pending_rows += float(rows)
-            self.pending_step = int(step)
+            self.pending_step = step
             if len(self.pending) == self.workers:
-                all_ids = tf.concat([i for i, _ in self.pending], 0)
-                all_grads = tf.concat([g for _, g in self.pending], 0)
-                unique, index = tf.unique(all_ids)
-                summed = tf.math.unsorted_segment_sum(all_grads, index, tf.shape(unique)[0])
+                unique, summed = _sum_rows(self.pending, self.dim)
                 if self.pending_rows > 0:  # the global batch's mean, as one device computes it
-                    summed = summed / tf.constant(self.pending_rows, summed.dtype)
-                self._apply(unique, summed, hyper.numpy(), int(step))
+                    summed /= np.float32(self.pending_rows)
+                self._apply(unique, summed, np.asarray(hyper, np.float32), step)
                 self.pending, self.pending_rows = [], 0.0
                 self.version += 1
             return self.version
 
-    def _slot(self, name: str, fill: float) -> tf.Variable:
+    def slot(self, name: str, fill: float) -> np.ndarray:
         if name not in self.slots:
-            self.slots[name] = tf.Variable(tf.fill([self.rows, self.dim], fill), name=name)
+            self.slots[name] = np.full((self.rows, self.dim), fill, np.float32)
         return self.slots[name]
 
     def _apply(self, ids, grads, hyper, step):
+        """The optimizer step for the rows `ids` (unique); float32 throughout, as Keras."""
         kind, lr, beta_1, beta_2, epsilon, initial_accumulator = hyper
+        one = np.float32(1)
         var = self.value
         if kind == SGD:
-            var.scatter_sub(tf.IndexedSlices(lr * grads, ids))
+            var[ids] -= lr * grads
         elif kind == ADAGRAD:
-            acc = self._slot("accumulator", float(initial_accumulator))
-            rows = tf.gather(acc, ids) + tf.square(grads)
-            acc.scatter_update(tf.IndexedSlices(rows, ids))
-            var.scatter_sub(tf.IndexedSlices(lr * grads / tf.sqrt(rows + epsilon), ids))
+            acc = self.slot("accumulator", float(initial_accumulator))
+            rows = acc[ids] + np.square(grads)
+            acc[ids] = rows
+            var[ids] -= lr * grads / np.sqrt(rows + epsilon)
         elif kind == ADAM:
-            m, v = self._slot("momentum", 0.0), self._slot("velocity", 0.0)
-            t = step + 1
-            m_rows = beta_1 * tf.gather(m, ids) + (1 - beta_1) * grads
-            v_rows = beta_2 * tf.gather(v, ids) + (1 - beta_2) * tf.square(grads)
-            m.scatter_update(tf.IndexedSlices(m_rows, ids))
-            v.scatter_update(tf.IndexedSlices(v_rows, ids))
-            alpha = lr * np.sqrt(1 - beta_2**t) / (1 - beta_1**t)
-            var.scatter_sub(tf.IndexedSlices(alpha * m_rows / (tf.sqrt(v_rows) + epsilon), ids))
+            m, v = self.slot("momentum", 0.0), self.slot("velocity", 0.0)
+            t = np.float32(step + 1)
+            m_rows = beta_1 * m[ids] + (one - beta_1) * grads
+            v_rows = beta_2 * v[ids] + (one - beta_2) * np.square(grads)
+            m[ids], v[ids] = m_rows, v_rows
+            alpha = lr * np.sqrt(one - np.power(beta_2, t)) / (one - np.power(beta_1, t))
+            var[ids] -= alpha * m_rows / (np.sqrt(v_rows) + epsilon)
         else:
             raise ValueError(f"tfstrat table: unknown optimizer kind {kind}")
 
 
-def _initial(rows: int, dim: int, init: dict) -> tf.Tensor:
+def _sum_rows(pushes, dim: int):
+    """(unique ids, each id's summed gradient) over `[(ids, grads), ...]`, summed in order.
+
+    A worker pushes each id once (it sums its repeats first), so each push adds its rows with
+    one indexed `+=`; `np.add.at`, which allows repeats, is ~10x slower (0.5 ms for 1,400 x 64
+    rows) and is left for a push that repeats an id.
+    """
+    unique = np.unique(np.concatenate([ids for ids, _ in pushes]))
+    summed = np.zeros((len(unique), dim), np.float32)
+    for ids, grads in pushes:
+        positions = np.searchsorted(unique, ids)
+        if len(np.unique(positions)) == len(positions):
+            summed[positions] += grads
+        else:
+            np.add.at(summed, positions, grads)
+    return unique, summed
+
+
+def _initial(rows: int, dim: int, init: dict) -> np.ndarray:
     """The initial table: from a Keras initializer's config and seed, computed on the ps."""
     if init.get("zeros", False):
-        return tf.zeros([rows, dim])
+        return np.zeros((rows, dim), np.float32)
     import keras
 
     initializer = keras.initializers.deserialize(init["initializer"])
     if init.get("seed") is not None and hasattr(initializer, "seed"):
         initializer.seed = init["seed"]
-    return tf.convert_to_tensor(initializer((rows, dim), dtype="float32"))
+    return np.array(initializer((rows, dim), dtype="float32"), np.float32)
 
 
 class Registry:
-    """The tables of one ps task, by number."""
+    """The tables of one ps task, by number: the methods the workers call (`wire.Server`)."""
 
     def __init__(self):
         self.tables: dict[int, Table] = {}
@@ -155,109 +184,65 @@ class Registry:
         with self.lock:
             key = int(table)
             if key not in self.tables:
-                spec = json.loads(init.numpy().decode())
+                spec = json.loads(bytes(init).decode())
                 self.tables[key] = Table(int(rows), int(dim), int(workers), spec)
                 logger.info("tfstrat server: table %d, %d x %d", key, int(rows), int(dim))
-            return tf.constant(0, tf.int64)
+            return _ZERO
 
     def drop(self, table):
         with self.lock:
             self.tables.pop(int(table), None)
-        return tf.constant(0, tf.int64)
+        return _ZERO
 
     def put_meta(self, key, value):
         self.meta[int(key)] = int(value)
-        return tf.constant(0, tf.int64)
+        return _ZERO
 
     def get_meta(self, key):
-        return tf.constant(self.meta.get(int(key), -1), tf.int64)
+        return np.int64(self.meta.get(int(key), -1))
+
+    def lookup(self, table, ids):
+        return self.get(table).lookup(ids)
+
+    def push(self, table, step, ids, grads, hyper, rows):
+        return np.int64(self.get(table).push(step, ids, grads, hyper, rows))
 
     def read(self, table, lo, hi):
-        return tf.reshape(self.get(table).value[int(lo) : int(hi)], [-1])
+        return self.get(table).value[int(lo) : int(hi)].reshape(-1)
 
     def write(self, table, lo, values):
         t = self.get(table)
-        rows = tf.reshape(values, [-1, t.dim])
-        t.value[int(lo) : int(lo) + rows.shape[0]].assign(rows)
-        return tf.constant(0, tf.int64)
+        rows = np.asarray(values, np.float32).reshape(-1, t.dim)
+        with t.lock:
+            t.value[int(lo) : int(lo) + len(rows)] = rows
+        return _ZERO
 
     def slots(self, table):
         names = self.get(table).slots
-        return tf.constant([i for i, name in enumerate(SLOTS) if name in names], tf.int64)
+        return np.array([i for i, name in enumerate(SLOTS) if name in names], np.int64)
 
     def read_slot(self, table, slot, lo, hi):
         t = self.get(table)
         name = SLOTS[int(slot)]
         if name not in t.slots:
             raise ValueError(f"tfstrat table {int(table)} has no slot {name!r}")
-        return tf.reshape(t.slots[name][int(lo) : int(hi)], [-1])
+        return t.slots[name][int(lo) : int(hi)].reshape(-1)
 
     def write_slot(self, table, slot, lo, values):
         t = self.get(table)
-        rows = tf.reshape(values, [-1, t.dim])
+        rows = np.asarray(values, np.float32).reshape(-1, t.dim)
         with t.lock:  # never between a step's update of the table and of its slots
-            var = t._slot(SLOTS[int(slot)], 0.0)
-            var[int(lo) : int(lo) + rows.shape[0]].assign(rows)
-        return tf.constant(0, tf.int64)
+            t.slot(SLOTS[int(slot)], 0.0)[int(lo) : int(lo) + len(rows)] = rows
+        return _ZERO
 
 
-def serve_tables(address: str):
-    """Starts the RPC server of a ps task's tables at `address`; returns (server, registry)."""
+_ZERO = np.int64(0)
+
+
+def serve_tables(host: str, port: int, task: str, what: str = "table server"):
+    """Starts the table server of `task` on `host`:`port`; returns (server, registry).
+    Raises `tfstrat._ports.ListenError` naming the task and `what` if it cannot listen."""
+    from tfstrat.ps import wire
+
     registry = Registry()
-    server = tf.distribute.experimental.rpc.Server.create("grpc", address)
-    spec = tf.TensorSpec
-    i64, f32 = tf.int64, tf.float32
-
-    def method(name, fn, signature, out):
-        def call(*args):
-            return tf.py_function(fn, list(args), out)
-
-        server.register(name, tf.function(call, input_signature=signature, autograph=False))
-
-    method(
-        "create",
-        registry.create,
-        [spec([], i64), spec([], i64), spec([], i64), spec([], i64), spec([], tf.string)],
-        i64,
-    )
-    method(
-        "lookup",
-        lambda t, ids: registry.get(t).lookup(ids),
-        [spec([], i64), spec([None], i64)],
-        f32,
-    )
-    method(
-        "push",
-        # A NumPy scalar, not a Python int: TF 2.21 keeps every distinct Python scalar it
-        # converts to an eager tensor, and the version grows each step (0.75 KB per step).
-        lambda t, s, ids, g, h, n: np.array(registry.get(t).push(s, ids, g, h, n), np.int64),
-        [
-            spec([], i64),
-            spec([], i64),
-            spec([None], i64),
-            spec([None], f32),
-            spec([6], f32),
-            spec([], f32),
-        ],
-        i64,
-    )
-    method("read", registry.read, [spec([], i64), spec([], i64), spec([], i64)], f32)
-    method("write", registry.write, [spec([], i64), spec([], i64), spec([None], f32)], i64)
-    method("drop", registry.drop, [spec([], i64)], i64)
-    method("slots", registry.slots, [spec([], i64)], i64)
-    method(
-        "read_slot",
-        registry.read_slot,
-        [spec([], i64), spec([], i64), spec([], i64), spec([], i64)],
-        f32,
-    )
-    method(
-        "write_slot",
-        registry.write_slot,
-        [spec([], i64), spec([], i64), spec([], i64), spec([None], f32)],
-        i64,
-    )
-    method("put_meta", registry.put_meta, [spec([], i64), spec([], i64)], i64)
-    method("get_meta", registry.get_meta, [spec([], i64)], i64)
-    server.start()
-    return server, registry
+    return wire.serve(host, port, registry, task, what), registry
