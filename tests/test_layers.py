@@ -84,7 +84,9 @@ def test_a_ps_held_table_saves_its_optimizer_slots_where_a_stock_model_does_not_
         clients = TableClients([ps], timeout=60, worker=0)
         init = {"initializer": keras.initializers.serialize(keras.initializers.Ones())}
         table = RemoteTable(clients, "embedding", 50, 3, [(0, 0, 0, 25), (0, 1, 25, 50)], 1, init)
-        hyper = tf.constant([1.0, 0.5, 0.9, 0.999, 1e-7, 0.1])  # Adagrad, lr 0.5
+        hyper = tf.constant(
+            [1.0, 0.5, 0.9, 0.999, 1e-7, 0.1, 0.0, 0.0, 0.9, 0.1, 0.001, 0.1]
+        )  # Adagrad
         table.push(tf.constant([1, 30], tf.int64), tf.ones([2, 3]), tf.constant(0, tf.int64), hyper)
 
         ours, stock = _model(Embedding), _model(keras.layers.Embedding)
@@ -138,7 +140,7 @@ def test_a_ps_table_server_answers_lookups_over_4_mib_and_names_itself_in_errors
         clients = TableClients([ps], timeout=20, worker=0)
         table = RemoteTable(clients, "big", rows, dim, [(0, 0, 0, rows)], 1, {"zeros": True})
         table.assign(np.arange(rows * dim, dtype="float32").reshape(rows, dim))
-        ids = tf.constant(np.arange(rows - 1, -1, -1)[: 25_000], tf.int64)  # 6.1 MiB of rows
+        ids = tf.constant(np.arange(rows - 1, -1, -1)[:25_000], tf.int64)  # 6.1 MiB of rows
 
         @tf.function
         def fetch(ids):
@@ -147,16 +149,22 @@ def test_a_ps_table_server_answers_lookups_over_4_mib_and_names_itself_in_errors
         got = fetch(ids).numpy()
         np.testing.assert_array_equal(got, table.numpy()[ids.numpy()])
 
-        hyper = tf.constant([1.0, 0.5, 0.9, 0.999, 1e-7, 0.1])  # Adagrad, lr 0.5
+        hyper = tf.constant(
+            [1.0, 0.5, 0.9, 0.999, 1e-7, 0.1, 0.0, 0.0, 0.9, 0.1, 0.001, 0.1]
+        )  # Adagrad
         before = table.numpy()
-        table.push(tf.constant([3, 7], tf.int64), tf.ones([2, dim]), tf.constant(0, tf.int64), hyper)
+        table.push(
+            tf.constant([3, 7], tf.int64), tf.ones([2, dim]), tf.constant(0, tf.int64), hyper
+        )
         after = table.numpy()
         step = np.float32(0.5) / np.sqrt(np.float32(1.1) + np.float32(1e-7))
         np.testing.assert_allclose(after[[3, 7]], before[[3, 7]] - step, rtol=1e-6)
         np.testing.assert_array_equal(np.delete(after, [3, 7], 0), np.delete(before, [3, 7], 0))
 
         where = f"on ps:0 (table server at 127.0.0.1:{int(ps.rsplit(':', 1)[1]) + 1})"
-        with pytest.raises(Exception, match=r"lookup " + re.escape(where) + r".*id 30000 is outside"):
+        with pytest.raises(
+            Exception, match=r"lookup " + re.escape(where) + r".*id 30000 is outside"
+        ):
             fetch(tf.constant([1, rows], tf.int64))
         np.testing.assert_array_equal(fetch(tf.constant([1], tf.int64)).numpy()[0], after[1])
 
@@ -166,6 +174,74 @@ def test_a_ps_table_server_answers_lookups_over_4_mib_and_names_itself_in_errors
         with pytest.raises(Exception, match=r"lookup " + re.escape(where) + ".*(closed|connect)"):
             fetch(ids)
         assert time.monotonic() - start < 20 + 30  # the call's timeout, and start-up slack
+    finally:
+        server.kill()
+        server.wait()
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+def test_a_ps_table_steps_as_a_lazy_mirrored_table_for_every_optimizer():
+    """Hybrid's ps and a worker's Keras optimizer share `tfstrat/_rowmath.py`: pushes to a real
+    table server give the rows a lazily updated mirrored table gets (tfstrat/keras/_rowwise.py)."""
+    import os
+    import subprocess
+    import sys
+
+    import keras
+    import tensorflow as tf
+
+    import tfstrat.keras  # noqa: F401  (installs the row-wise steps)
+    from tfstrat.cluster import TFConfig, _free_port_pairs
+    from tfstrat.keras import _rowwise
+    from tfstrat.ps.connect import wait_for_ps
+    from tfstrat.ps.remote import RemoteTable, TableClients, optimizer_hyper
+
+    rows, dim = 40, 3
+    rng = np.random.default_rng(0)
+    start = rng.normal(size=(rows, dim)).astype("float32")
+    steps = [
+        (rng.integers(0, 20, 9), rng.normal(size=(9, dim)).astype("float32")) for _ in range(4)
+    ]
+    optimizers = {
+        "adam": lambda: keras.optimizers.Adam(0.05),
+        "nesterov": lambda: keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True),
+        "rmsprop_momentum": lambda: keras.optimizers.RMSprop(0.01, momentum=0.5),
+        "adagrad": lambda: keras.optimizers.Adagrad(0.5),
+    }
+    ps, worker = (f"127.0.0.1:{p}" for p in _free_port_pairs(2))
+    config = TFConfig({"ps": [ps], "worker": [worker]}, "ps", 0)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "tfstrat", "server"], env=dict(os.environ, **config.to_env())
+    )
+    try:
+        wait_for_ps(config, 60, port_offset=1)
+        clients = TableClients([ps], timeout=30, worker=0)
+        for number, (name, make) in enumerate(optimizers.items()):
+            mirrored = keras.Variable(start.copy())
+            _rowwise.mark(mirrored, "lazy")
+            opt = make()
+            opt.build([mirrored])
+            table = RemoteTable(
+                clients, name, rows, dim, [(0, number, 0, rows)], 1, {"zeros": True}
+            )
+            table.assign(start)
+            for t, (ids, grads) in enumerate(steps):
+                # One row per distinct id, as a tfstrat Embedding's gradient has (the worker
+                # sums repeats before a push, too).
+                unique, position = np.unique(ids, return_inverse=True)
+                summed = np.zeros((len(unique), dim), "float32")
+                np.add.at(summed, position, grads)
+                gradient = tf.IndexedSlices(tf.constant(summed), tf.constant(unique))
+                opt.apply([gradient], [mirrored])
+                hyper = optimizer_hyper(opt)
+                table.push(
+                    tf.constant(unique), tf.constant(summed), tf.constant(t, tf.int64), hyper
+                )
+            np.testing.assert_allclose(
+                table.numpy(), mirrored.numpy(), rtol=1e-6, atol=1e-7, err_msg=name
+            )
+            np.testing.assert_array_equal(table.numpy()[20:], start[20:])
     finally:
         server.kill()
         server.wait()

@@ -113,9 +113,31 @@ class Embedding(keras.layers.Embedding):
     _parts: list | None = None
     _remote = None  # a table on ps tasks under tfstrat.Hybrid (tfstrat.ps.remote.RemoteTable)
 
+    def __init__(self, *args, sparse_updates: str = "lazy", **kwargs):
+        """`keras.layers.Embedding`'s arguments, and `sparse_updates`: "lazy" (the default:
+        Adam, SGD with momentum and RMSprop update only the batch's rows of the table and of
+        their slots, as tf-keras and TF1 did; a step costs the rows, not the table) or "exact"
+        (Keras 3's dense update: every row's moments decay each step). SGD and Adagrad update
+        the touched rows only either way, with Keras's exact values."""
+        from tfstrat.keras import _rowwise
+
+        super().__init__(*args, **kwargs)
+        self.sparse_updates = _rowwise.check(sparse_updates)
+
+    def get_config(self):
+        return {**super().get_config(), "sparse_updates": self.sparse_updates}
+
     def build(self, input_shape=None):
         if self.built:
             return
+        self._build_table(input_shape)
+        from tfstrat.keras import _rowwise
+
+        for variable in (self._parts or []) + [getattr(self, "_embeddings", None)]:
+            if variable is not None:
+                _rowwise.mark(variable, self.sparse_updates)
+
+    def _build_table(self, input_shape):
         strategy = tf.distribute.get_strategy()
         remote_table = getattr(strategy, "remote_table", None)
         if remote_table and not (self.quantization_mode or self.lora_rank):
@@ -199,6 +221,16 @@ class Embedding(keras.layers.Embedding):
     def call(self, inputs):
         if self._remote is not None:
             s = self._strategy
+            if self.sparse_updates == "exact" and s._optimizer is not None:
+                from tfstrat.ps.remote import optimizer_kind
+
+                if optimizer_kind(s._optimizer) not in ("sgd", "adagrad", None):
+                    raise ValueError(
+                        f"Received: sparse_updates='exact' on {self.name!r}, whose table Hybrid "
+                        f"puts on the ps tasks, with {type(s._optimizer).__name__}: a ps updates "
+                        "only the batch's rows (lazily). Use sparse_updates='lazy', or keep "
+                        f"this table mirrored: Hybrid(sparse=[...]) without {self.name!r}."
+                    )
             rows = self._remote.lookup(inputs, self._anchor, s.table_step, s.table_hyper)
             return tf.cast(rows, self.compute_dtype)
         tables = None if (self.quantization_mode or self.lora_enabled) else self._tables()

@@ -27,7 +27,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from tfstrat.ps.tables import OPTIMIZERS, SLOTS, rpc_address
+from tfstrat.ps.tables import KINDS, SLOTS, rpc_address
 from tfstrat.ps.variables import ps_device
 
 
@@ -190,7 +190,9 @@ class RemoteTable:
 
     def _fetch(self, unique_ids: np.ndarray) -> np.ndarray:
         positions, local = self._split(unique_ids)
-        calls = [(ps, "lookup", (np.int64(n), ids)) for (ps, n, _, _), ids in zip(self.parts, local)]
+        calls = [
+            (ps, "lookup", (np.int64(n), ids)) for (ps, n, _, _), ids in zip(self.parts, local)
+        ]
         rows = np.empty((len(unique_ids), self.dim), np.float32)
         for pos, (flat,) in zip(positions, self.clients.call_all(calls)):
             rows[pos] = flat.reshape(-1, self.dim)
@@ -249,32 +251,48 @@ class RemoteTable:
         return tf.math.multiply_no_nan(grads, rows * self.replicas), rows
 
 
+def optimizer_kind(optimizer) -> str | None:
+    """The `tfstrat._rowmath` step a ps applies for a Keras optimizer, or None if it has none."""
+    classes = {cls.__name__ for cls in type(optimizer).__mro__}
+    if "SGD" in classes:
+        return "sgd_momentum" if optimizer.momentum else "sgd"
+    if "Adagrad" in classes:
+        return "adagrad"
+    if "Adam" in classes and not optimizer.amsgrad:
+        return "adam"
+    if "RMSprop" in classes and not optimizer.centered:
+        return "rmsprop_momentum" if optimizer.momentum > 0 else "rmsprop"
+    return None
+
+
 def optimizer_hyper(optimizer) -> tf.Tensor:
-    """[kind, learning_rate, beta_1, beta_2, epsilon, initial_accumulator] of a Keras optimizer."""
-    name = type(optimizer).__name__
-    kind = None
-    for cls in type(optimizer).__mro__:
-        kind = OPTIMIZERS.get(cls.__name__) if kind is None else kind
-    if (
-        kind is None
-        or (name == "SGD" and getattr(optimizer, "momentum", 0))
-        or getattr(optimizer, "amsgrad", False)
-    ):
+    """The `tables.HYPER` numbers a push carries (the layout is in `tfstrat.ps.tables`)."""
+    kind = optimizer_kind(optimizer)
+    if kind is None:
         raise ValueError(
-            f"Received: optimizer {name}{' with momentum' if getattr(optimizer, 'momentum', 0) else ''}"
-            " for a table on ps tasks. Hybrid updates ps-held tables row by row with SGD "
-            "(no momentum), Adagrad or Adam; use one of those, or keep the tables mirrored "
-            "with Hybrid(sparse=[])."
+            f"Received: optimizer {type(optimizer).__name__} for a table on ps tasks. Hybrid "
+            "updates ps-held tables row by row with SGD (with or without momentum), Adagrad, "
+            "Adam (not amsgrad) or RMSprop (not centered); use one of those, or keep the "
+            "tables mirrored with Hybrid(sparse=[])."
         )
-    lr = tf.cast(optimizer.learning_rate, tf.float32)
-    get = lambda attr, default: float(getattr(optimizer, attr, default) or default)  # noqa: E731
-    return tf.stack(
-        [
-            tf.constant(float(kind)),
-            lr,
-            tf.constant(get("beta_1", 0.9)),
-            tf.constant(get("beta_2", 0.999)),
-            tf.constant(get("epsilon", 1e-7)),
-            tf.constant(get("initial_accumulator_value", 0.1)),
-        ]
-    )
+
+    def get(attr, default):
+        value = getattr(optimizer, attr, None)
+        return float(default if value is None else value)
+
+    numbers = [
+        float(KINDS.index(kind)),
+        get("beta_1", 0.9),
+        get("beta_2", 0.999),
+        get("epsilon", 1e-7),
+        get("initial_accumulator_value", 0.1),
+        get("momentum", 0.0),
+        float(bool(getattr(optimizer, "nesterov", False))),
+        get("rho", 0.9),
+        1 - get("beta_1", 0.9),  # in float64, as Keras computes them
+        1 - get("beta_2", 0.999),
+        1 - get("rho", 0.9),
+    ]
+    lr = tf.reshape(tf.cast(optimizer.learning_rate, tf.float32), [1])
+    numbers = tf.constant(numbers, tf.float32)
+    return tf.concat([numbers[:1], lr, numbers[1:]], 0)

@@ -42,12 +42,16 @@ import threading
 
 import numpy as np
 
+from tfstrat import _rowmath
+
 logger = logging.getLogger(__name__)
 
-# hyper = [kind, learning_rate, beta_1, beta_2, epsilon, initial_accumulator_value]
-SGD, ADAGRAD, ADAM = 0, 1, 2
-OPTIMIZERS = {"SGD": SGD, "Adagrad": ADAGRAD, "Adam": ADAM}
-SLOTS = ("accumulator", "momentum", "velocity")  # slot numbers in the RPCs
+# hyper = [kind, learning_rate, beta_1, beta_2, epsilon, initial_accumulator_value,
+#          momentum, nesterov, rho, 1 - beta_1, 1 - beta_2, 1 - rho] (the differences computed
+#          in float64 on the worker, as Keras); kind numbers the `tfstrat._rowmath` step
+KINDS = ("sgd", "adagrad", "adam", "sgd_momentum", "rmsprop", "rmsprop_momentum")
+HYPER = 12
+SLOTS = ("accumulator", "momentum", "velocity")  # slot numbers in the calls
 
 
 def rpc_address(ps_address: str) -> str:
@@ -83,7 +87,9 @@ class Table:
         return ids
 
     def lookup(self, ids):
-        return self.value[self.check(ids)].reshape(-1)
+        ids = self.check(ids)
+        with self.lock:  # never half-way through a step's update
+            return self.value[ids].reshape(-1)
 
     def push(self, step, ids, grads, hyper, rows):
         grads = np.asarray(grads, np.float32).reshape(-1, self.dim)
@@ -113,27 +119,43 @@ class Table:
         return self.slots[name]
 
     def _apply(self, ids, grads, hyper, step):
-        """The optimizer step for the rows `ids` (unique); float32 throughout, as Keras."""
-        kind, lr, beta_1, beta_2, epsilon, initial_accumulator = hyper
-        one = np.float32(1)
-        var = self.value
-        if kind == SGD:
-            var[ids] -= lr * grads
-        elif kind == ADAGRAD:
-            acc = self.slot("accumulator", float(initial_accumulator))
-            rows = acc[ids] + np.square(grads)
-            acc[ids] = rows
-            var[ids] -= lr * grads / np.sqrt(rows + epsilon)
-        elif kind == ADAM:
-            m, v = self.slot("momentum", 0.0), self.slot("velocity", 0.0)
-            t = np.float32(step + 1)
-            m_rows = beta_1 * m[ids] + (one - beta_1) * grads
-            v_rows = beta_2 * v[ids] + (one - beta_2) * np.square(grads)
-            m[ids], v[ids] = m_rows, v_rows
-            alpha = lr * np.sqrt(one - np.power(beta_2, t)) / (one - np.power(beta_1, t))
-            var[ids] -= alpha * m_rows / (np.sqrt(v_rows) + epsilon)
-        else:
+        """The optimizer step for the rows `ids` (unique), float32 as Keras (`_rowmath`)."""
+        kind, lr, beta_1, beta_2, epsilon, initial_accumulator, momentum, nesterov, rho = hyper[:9]
+        one_minus_beta_1, one_minus_beta_2, one_minus_rho = hyper[9:]
+        if not 0 <= int(kind) < len(KINDS):
             raise ValueError(f"tfstrat table: unknown optimizer kind {kind}")
+        name = KINDS[int(kind)]
+        fills = {"accumulator": float(initial_accumulator)}
+        slots = {n: self.slot(n, fills.get(n, 0.0)) for n in _rowmath.SLOTS[name]}
+        t = np.float32(step + 1)
+        new_rows, delta = _STEPS[name](
+            {n: slot[ids] for n, slot in slots.items()},
+            grads,
+            lr=lr,
+            one_minus_beta_1=one_minus_beta_1,
+            one_minus_beta_2=one_minus_beta_2,
+            one_minus_rho=one_minus_rho,
+            epsilon=epsilon,
+            beta_1_power=np.power(beta_1, t),
+            beta_2_power=np.power(beta_2, t),
+            momentum=momentum,
+            nesterov=bool(nesterov),
+            rho=rho,
+            sqrt=np.sqrt,
+        )
+        for n, rows in new_rows.items():
+            slots[n][ids] = rows
+        self.value[ids] -= delta
+
+
+_STEPS = {
+    "sgd": _rowmath.sgd,
+    "adagrad": _rowmath.adagrad,
+    "adam": _rowmath.adam,
+    "sgd_momentum": _rowmath.sgd_momentum,
+    "rmsprop": _rowmath.rmsprop,
+    "rmsprop_momentum": _rowmath.rmsprop,
+}
 
 
 def _sum_rows(pushes, dim: int):
@@ -168,6 +190,10 @@ def _initial(rows: int, dim: int, init: dict) -> np.ndarray:
 
 class Registry:
     """The tables of one ps task, by number: the methods the workers call (`wire.Server`)."""
+
+    METHODS = frozenset(
+        "create drop put_meta get_meta lookup push read write slots read_slot write_slot".split()
+    )
 
     def __init__(self):
         self.tables: dict[int, Table] = {}
@@ -205,6 +231,11 @@ class Registry:
         return self.get(table).lookup(ids)
 
     def push(self, table, step, ids, grads, hyper, rows):
+        if np.size(hyper) != HYPER:
+            raise ValueError(
+                f"a push carried {np.size(hyper)} optimizer numbers; this ps expects {HYPER}. "
+                "Do the workers and the ps run the same tfstrat version?"
+            )
         return np.int64(self.get(table).push(step, ids, grads, hyper, rows))
 
     def read(self, table, lo, hi):

@@ -68,11 +68,13 @@ def _recv(sock: socket.socket) -> tuple[dict, list[np.ndarray]]:
 
 
 class Server:
-    """Serves `handler.METHOD(*arrays) -> array or list of arrays` to every connection."""
+    """Serves `handler.METHOD(*arrays) -> array or list of arrays` to every connection, for the
+    names in `handler.METHODS`."""
 
     def __init__(self, listener: socket.socket, handler, name: str):
         self.listener, self.handler, self.name = listener, handler, name
-        self.address = "%s:%d" % listener.getsockname()[:2]
+        host, port = listener.getsockname()[:2]
+        self.address = f"{host}:{port}"
         threading.Thread(target=self._accept, name=f"{name} accept", daemon=True).start()
 
     def _accept(self):
@@ -93,9 +95,9 @@ class Server:
                     return  # the worker is gone (or only checked that the port is open)
                 method = header.get("method", "")
                 try:
-                    fn = getattr(self.handler, method) if not method.startswith("_") else None
-                    if fn is None:
+                    if method not in self.handler.METHODS:
                         raise ValueError(f"no method {method!r}")
+                    fn = getattr(self.handler, method)
                     out = fn(*arrays)
                     out = out if isinstance(out, (list, tuple)) else [out]
                     reply = {}

@@ -72,6 +72,17 @@ def table_rows(slices: tf.IndexedSlices) -> int | None:
     return int(shape[0]) if shape is not None else None
 
 
+# The values of gradients that must stay sparse: a table marked "lazy" (`tfstrat.keras._rowwise`)
+# gets Adam's / momentum's / RMSprop's row-wise step only while its gradient is `IndexedSlices`;
+# densified, it would get Keras's dense step on 2 replicas and the lazy one on one device.
+_lazy_values: set = set()
+
+
+def keep_sparse(slices: tf.IndexedSlices) -> None:
+    """Marks a gradient the density switch must not densify (see `_lazy_values`)."""
+    _lazy_values.add(slices.values.ref())
+
+
 class DensityPolicy:
     """Decides, once per gradient, whether a sparse gradient is cheaper to all-reduce densely.
 
@@ -102,7 +113,12 @@ class DensityPolicy:
 
     def densify(self, slices: tf.IndexedSlices, group_size: int) -> bool:
         rows, vocab = static_rows(slices), table_rows(slices)
-        if rows is None or vocab is None:
+        if slices.values.ref() in _lazy_values:
+            dense, why = (
+                False,
+                "a table with sparse_updates='lazy': densified, its step would change",
+            )
+        elif rows is None or vocab is None:
             dense, why = self.threshold == 0.0, "shape unknown until run time"
         else:
             density = min(1.0, group_size * rows / max(vocab, 1))

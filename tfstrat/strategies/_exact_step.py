@@ -178,6 +178,17 @@ def _with_static_shape(grad, variable):
     return tf.ensure_shape(grad, shape)
 
 
+def _keep_lazy_sparse(pairs) -> None:
+    """Gradients of tables marked "lazy" are reduced sparsely whatever `sparse_as_dense` says
+    (`tfstrat.reduce.sparse.keep_sparse`)."""
+    from tfstrat.keras import _rowwise
+    from tfstrat.reduce import sparse
+
+    for g, v in pairs:
+        if isinstance(g, tf.IndexedSlices) and _rowwise.is_lazy(v):
+            sparse.keep_sparse(g)
+
+
 def step_reduce(reduce_sum, stop, replicas: int):
     """Keras's gradient all-reduce (`optimizer._all_reduce_sum_gradients`), carrying the stop
     flags (`_stopping`, multi-worker only), the rows weighting and the metric states."""
@@ -191,6 +202,7 @@ def step_reduce(reduce_sum, stop, replicas: int):
         rows = _step.rows if _step.scaled else None
         metrics = _step.metrics or []
         if not have or context is None or (stop is None and rows is None and not metrics):
+            _keep_lazy_sparse(pairs)
             return reduce_sum(pairs)
         grads = [pairs[i][0] for i in have]
         dtype = _extras_dtype(grads)
@@ -198,6 +210,7 @@ def step_reduce(reduce_sum, stop, replicas: int):
         if rows is not None:
             grads = [_scale(g, rows * replicas) for g in grads]
             parts.append(tf.reshape(tf.cast(rows, dtype), [1]))
+        _keep_lazy_sparse([(g, pairs[i][1]) for i, g in zip(have, grads)])
         variables = [v for m in metrics for v in m.variables]
         parts += [tf.reshape(tf.cast(v.value, dtype), [-1]) for v in variables]
         reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, grads + [tf.concat(parts, 0)])
