@@ -142,3 +142,12 @@ def test_auto_never_picks_localsgd():
     from tfstrat.strategies import auto
 
     assert "LocalSGD" not in inspect.getsource(auto)
+
+
+def test_weights_set_between_fits_are_the_next_periods_anchor(tmp_path):
+    out = tmp_path / "reload.json"
+    run_script("localsgd_reload.py", str(out))
+    result = json.loads(out.read_text())
+    assert result["moved"] > 1e-3, result  # the first fit trained
+    assert result["outer_iterations"] == 3, result  # 2 syncs, then 1
+    assert result["after"] == 0.0, result  # was half-way back to the first fit's weights

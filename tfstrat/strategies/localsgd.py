@@ -359,6 +359,12 @@ class LocalSGD(CollectiveAllReduce):
 
         def step(*args, **kwargs):
             _exact_step._step.scaled = False  # set again when Keras scales this step's loss
+            if state.anchors:  # a period's first step: the anchors are the weights it starts from
+                tf.cond(
+                    tf.equal(_local(state.since), 0),
+                    lambda: self._rebase(model, state),
+                    lambda: tf.constant(0, tf.int64),
+                )
             logs = fn(*args, **kwargs)
             since = _local(state.since)
             count = since.assign_add(1)
@@ -370,6 +376,15 @@ class LocalSGD(CollectiveAllReduce):
             return logs
 
         return step
+
+    def _rebase(self, model, state):
+        """Anchors := the weights, at a period's first step. After a sync they are equal
+        already (a no-op, bit for bit); after `load_weights` or `set_weights` between two
+        `fit`s they are not, and the outer step would pull the weights back towards the
+        weights before the load (the pseudo-gradient is anchor - average)."""
+        for anchor, v in zip(state.anchors, model.trainable_variables, strict=True):
+            _local(anchor).assign(_local(v).read_value())
+        return tf.constant(1, tf.int64)
 
     # -- the sync ----------------------------------------------------------------------------
 
