@@ -46,19 +46,30 @@ def test_allreduce_quick_writes_the_table(tmp_path, capsys):
 
 
 def test_sparse_quick_writes_the_table(tmp_path, capsys):
-    ids = ["P-1", "C-2", "PS-A-2", "H-2"]
-    args = ["--quick", "--workers", "2", "--rows", ",".join(ids), "--out", str(tmp_path)]
-    code = main(["bench", "sparse", *args])
+    ids = ["P-1", "PS-A-2", "H-2"]
+    args = ["--quick", "--workers", "2", "--rows", ",".join(ids), "--vocab", "3000,6000"]
+    code = main(["bench", "sparse", *args, "--out", str(tmp_path)])
     assert code == 0, capsys.readouterr()
     rows = json.loads((tmp_path / "sparse.json").read_text())
-    assert [r["row"] for r in rows] == ids
+    assert [(r["vocab"], r["row"]) for r in rows] == [(v, i) for v in (3000, 6000) for i in ids]
     for r in rows:
         assert "error" not in r, r
         assert r["examples_per_s"] > 0 and r["final_loss"] > 0 and r["peak_rss_mb"] > 0
-    # Measured from what the strategy handed its collectives (a packed sparse gather was
-    # there), and for ParameterServer and Hybrid on the sockets to the ps.
-    assert all(r["bytes_sent_per_step"] > 0 for r in rows[1:])
+        assert r["table_bytes"] == r["vocab"] * 64 * 4
+        # The Hybrid table server reports its own memory; no other row has one.
+        assert (r["ps_peak_rss_mb"] is not None) == (r["row"] == "H-2"), r
+        assert r["ps_peak_rss_mb"] is None or r["ps_peak_rss_mb"] > 0
+        assert r["vs_P1"] > 0  # against the P-1 of the same table size
+        # Measured from what the strategy handed its collectives (a packed sparse gather was
+        # there), and for ParameterServer and Hybrid on the sockets to the ps.
+        assert r["row"] == "P-1" or r["bytes_sent_per_step"] > 0
+    assert "| 6,000 |" in (tmp_path / "sparse.md").read_text()
     assert (tmp_path / "sparse.png").stat().st_size > 0
+
+
+def test_a_bad_vocab_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit, match=r"--vocab 2e5: give table row counts"):
+        main(["bench", "sparse", "--quick", "--vocab", "2e5", "--out", str(tmp_path)])
 
 
 @pytest.mark.parametrize("name", ["scaling", "sparse"])

@@ -33,6 +33,18 @@ def _env(flag: str, default=None, kind=str):
         ) from None
 
 
+def _vocabs(text: str) -> tuple[int, ...]:
+    try:
+        vocabs = tuple(int(v) for v in _csv(text))
+    except ValueError:
+        vocabs = ()
+    if not vocabs or min(vocabs) < 1:
+        raise SystemExit(
+            f"tfstrat bench: --vocab {text}: give table row counts >= 1, e.g. 200000,2000000"
+        )
+    return vocabs
+
+
 def _csv(text: str | None) -> list[str]:
     return [a.strip() for a in text.split(",") if a.strip()] if text else []
 
@@ -283,8 +295,11 @@ def _cmd_bench(args) -> int:
         from tfstrat.bench.sparse import run as run_sparse
 
         sizes = dict(steps=args.steps, repeats=args.repeats)
+        if args.vocab:
+            sizes["vocab"] = _vocabs(args.vocab)
         if args.quick:
-            sizes = dict(vocab=5000, steps=3, repeats=1, batch_per_device=8)
+            sizes = dict(sizes, vocab=sizes.get("vocab", 5000), steps=3, repeats=1)
+            sizes["batch_per_device"] = 8
         config = SparseConfig(
             workers=[w for w in workers if w > 1] or [2],
             peer=args.peer,
@@ -502,6 +517,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--steps", type=int, default=_env("steps", 20, int), help="steps per timed epoch"
     )
     g.add_argument("--repeats", type=int, default=_env("repeats", 3, int), help="timed epochs")
+    g.add_argument(
+        "--vocab",
+        default=_env("vocab"),
+        help="sparse: table rows, one run of the rows per value, e.g. 200000,2000000",
+    )
     g = p.add_argument_group("Output")
     g.add_argument("--peer", action="store_true", default=_env("peer", False, bool))
     g.add_argument("--quick", action="store_true", help="tiny sizes, for smoke tests")

@@ -264,7 +264,12 @@ def main(config: dict) -> dict:
         accuracy = float((np.asarray(logits).argmax(1) == labels).mean())
     import resource
 
+    ps_rss = None
+    if config["strategy"] == "hybrid" and strategy.ps_addresses:  # the table servers' memory
+        clients = strategy._clients
+        ps_rss = max(float(clients.call(i, "stats")[0]) for i in range(len(clients.addresses)))
     return {
+        "ps_peak_rss_mb": ps_rss,
         "bytes_sent_per_step": None if ps_mode else (sent if replicas > 1 else 0),
         "final_loss": clock.loss,
         "accuracy": accuracy,

@@ -22,7 +22,7 @@ WORKER = "tfstrat.bench._worker"
 @dataclasses.dataclass(frozen=True)
 class SparseConfig:
     workers: Sequence[int] = (2,)
-    vocab: int = 200_000
+    vocab: int | Sequence[int] = 200_000  # several: every row once per table size
     dim: int = 64
     seq: int = 20
     classes: int = 1000
@@ -71,12 +71,15 @@ def _rows(c: SparseConfig, cpus: int) -> list[dict]:
     return _report.select([dict(zip(keys, r)) for r in _report.with_tuned_peers(rows)], c.rows)
 
 
+def vocabs(c: SparseConfig) -> tuple[int, ...]:
+    return (c.vocab,) if isinstance(c.vocab, int) else tuple(c.vocab)
+
+
 def run(config: SparseConfig) -> list[dict]:
     machine = _report.machine()
-    rows = _rows(config, machine["cpus"])
+    plan = [(vocab, row) for vocab in vocabs(config) for row in _rows(config, machine["cpus"])]
     base = {
         "workload": "sparse",
-        "vocab": config.vocab,
         "dim": config.dim,
         "seq": config.seq,
         "classes": config.classes,
@@ -85,27 +88,30 @@ def run(config: SparseConfig) -> list[dict]:
         "repeats": config.repeats,
         "devices": 1,
     }
-    table_bytes = config.vocab * config.dim * 4
-    for i, row in enumerate(rows, 1):
+    rows = []
+    for i, (vocab, row) in enumerate(plan, 1):
+        row = dict(row, vocab=vocab)
         result = _report.run_row(
             WORKER,
-            {**base, "strategy": row["strategy"], "threads": row["threads"]},
+            {**base, "vocab": vocab, "strategy": row["strategy"], "threads": row["threads"]},
             workers=row["workers"],
             threads=row["threads"],
             env=row.pop("env"),
             ps=_report.ps_tasks(row["strategy"]),
             chief=row["strategy"] == "tfkeras-ps",
         )
-        row.update(result, machine=machine, table_bytes=table_bytes)
+        row.update(result, machine=machine, table_bytes=vocab * config.dim * 4)
         speed = f"{row['examples_per_s']:,.0f} ex/s" if "examples_per_s" in row else row["error"]
-        logger.info("[%d/%d] %s %s: %s", i, len(rows), row["row"], row["label"], speed)
-    rate = {r["row"]: r.get("examples_per_s") for r in rows}
-    one = rate.get("P-1")
-    for r in rows:
-        x = r.get("examples_per_s")
-        r["vs_P1"] = x / one if one and x else None
-        if x and one and r["row"] != "P-all":
-            r["efficiency_P1"] = x / (r["workers"] * one)
+        logger.info("[%d/%d] %s %s, %s rows: %s", i, len(plan), row["row"], row["label"], f"{vocab:,}", speed)
+        rows.append(row)
+    for vocab in vocabs(config):  # ratios within one table size
+        group = [r for r in rows if r["vocab"] == vocab]
+        one = next((r.get("examples_per_s") for r in group if r["row"] == "P-1"), None)
+        for r in group:
+            x = r.get("examples_per_s")
+            r["vs_P1"] = x / one if one and x else None
+            if x and one and r["row"] != "P-all":
+                r["efficiency_P1"] = x / (r["workers"] * one)
     _report.write(config.out, "sparse", rows, table(rows, config), _plot)
     return rows
 
@@ -114,6 +120,7 @@ def table(rows, c: SparseConfig) -> str:
     headers = [
         "row",
         "strategy",
+        "table rows",
         "workers",
         "examples/s (min-max)",
         "vs P-1",
@@ -122,19 +129,24 @@ def table(rows, c: SparseConfig) -> str:
         "% of table",
         "final loss",
         "peak RSS MB",
+        "ps peak RSS MB",
     ]
     body = []
     for r in rows:
         if "error" in r:
             body.append(
-                [r["row"], r["label"], r["workers"], f"failed: {r['error'][:120]}"] + ["-"] * 6
+                [r["row"], r["label"], f"{r['vocab']:,}", r["workers"]]
+                + [f"failed: {r['error'][:120]}"]
+                + ["-"] * 7
             )
             continue
         sent = r.get("bytes_sent_per_step")
+        ps_rss = r.get("ps_peak_rss_mb")
         body.append(
             [
                 r["row"],
                 r["label"],
+                f"{r['vocab']:,}",
                 r["workers"],
                 f"{r['examples_per_s']:,.0f} ({r['examples_per_s_min']:,.0f}-{r['examples_per_s_max']:,.0f})",
                 f"{r['vs_P1']:.2f}" if r["vs_P1"] is not None else "-",
@@ -143,11 +155,14 @@ def table(rows, c: SparseConfig) -> str:
                 f"{100 * sent / r['table_bytes']:.2f}%" if sent is not None else "-",
                 f"{r['final_loss']:.4f}",
                 f"{r['peak_rss_mb']:,.0f}",
+                f"{ps_rss:,.0f}" if ps_rss is not None else "-",
             ]
         )
     m = rows[0]["machine"] if rows else {}
+    sizes = " and ".join(f"{v:,}" for v in vocabs(c))
+    mib = " and ".join(f"{v * c.dim * 4 / 2**20:.0f}" for v in vocabs(c))
     return _report.markdown(headers, body) + (
-        f"\n\nEmbedding {c.vocab:,} x {c.dim} (float32, {c.vocab * c.dim * 4 / 2**20:.0f} MiB), "
+        f"\n\nEmbedding {sizes} x {c.dim} (float32, {mib} MiB), "
         f"{c.seq} Zipf-distributed ids per example, Conv1D x2 + dense head, Adagrad, "
         f"{c.batch_per_device} examples per worker per step; median of {c.repeats} timed "
         f"epochs of {c.steps} steps after a warm-up epoch. Bytes sent: what tfstrat hands "
@@ -159,7 +174,8 @@ def table(rows, c: SparseConfig) -> str:
         f"{m.get('cpus')}). Machine: {m.get('cpus')} CPUs, TensorFlow "
         f"{m.get('tensorflow')}, Keras {m.get('keras')}. Efficiency vs P-1 = ex/s / "
         "(workers x ex/s(P-1)). Rows ending in t (\"tuned\") run the stock row again with the "
-        "CPU allocator tfstrat gives its own tasks (TF_CPU_ALLOCATOR_USE_BFC=true)."
+        "CPU allocator tfstrat gives its own tasks (TF_CPU_ALLOCATOR_USE_BFC=true). Peak RSS: "
+        "worker 0's; ps peak RSS: the Hybrid table server's process (the largest ps task)."
     )
 
 
@@ -170,7 +186,10 @@ def _plot(ax, rows):
         [r["examples_per_s"] for r in ok],
         color=["tab:blue" if r["strategy"] == "collective" else "tab:gray" for r in ok],
     )
-    ax.set_yticks(range(len(ok)), [f"{r['row']} {r['label']} (x{r['workers']})" for r in ok])
+    ax.set_yticks(
+        range(len(ok)),
+        [f"{r['row']} {r['label']} (x{r['workers']}, {r['vocab']:,} rows)" for r in ok],
+    )
     ax.invert_yaxis()
     ax.set_xlabel("examples/s (median)")
-    ax.set_title("tfstrat bench sparse: 200k x 64 embedding, Zipf ids, Adagrad")
+    ax.set_title("tfstrat bench sparse: embedding x 64, Zipf ids, Adagrad")

@@ -14,6 +14,7 @@ Tables are addressed by number (a ps starts before any model exists):
     write_slot(table, slot, lo, v)             -> 0     (creates the slot if needed)
     drop(table)                                -> 0     (the partition search's trial tables)
     put_meta(key, value) / get_meta(key)       -> 0 / value, -1 if unset (the chief's choices)
+    stats()                                    -> this process's peak RSS, MB
 
 A table collects the pushes of one step from every worker and, on the last, applies their sum
 with a row-wise (lazy) optimizer update: only the pushed rows of the table and of its slots
@@ -192,7 +193,7 @@ class Registry:
     """The tables of one ps task, by number: the methods the workers call (`wire.Server`)."""
 
     METHODS = frozenset(
-        "create drop put_meta get_meta lookup push read write slots read_slot write_slot".split()
+        "create drop put_meta get_meta lookup push read write slots read_slot write_slot stats".split()
     )
 
     def __init__(self):
@@ -226,6 +227,12 @@ class Registry:
 
     def get_meta(self, key):
         return np.int64(self.meta.get(int(key), -1))
+
+    def stats(self):
+        """This ps process's peak resident memory, MB (for `tfstrat bench sparse`)."""
+        import resource
+
+        return np.float64(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
     def lookup(self, table, ids):
         return self.get(table).lookup(ids)
