@@ -245,3 +245,32 @@ def test_a_ps_table_steps_as_a_lazy_mirrored_table_for_every_optimizer():
     finally:
         server.kill()
         server.wait()
+
+
+def test_a_ps_held_table_refuses_weight_decay_and_exact_updates_it_cannot_apply():
+    """A ps updates only the batch's rows: AdamW's decay of every row, and Keras's dense Adam
+    (sparse_updates="exact"), would silently differ from the same model mirrored."""
+    import types
+
+    import keras
+    import tensorflow as tf
+
+    from tfstrat.keras.layers import Embedding
+
+    def called(optimizer, **kwargs):
+        layer = Embedding(10, 2, name="items", **kwargs)
+        layer._anchor = layer.add_weight(shape=(), initializer="zeros", name="embeddings_anchor")
+        layer.built = True
+        layer._remote = object()  # refused before any lookup
+        layer._strategy = types.SimpleNamespace(_optimizer=optimizer)
+        optimizer.build([layer._anchor])
+        layer(tf.constant([[1, 2]]))
+
+    with pytest.raises(ValueError, match=r"AdamW\(weight_decay=0.004\) for 'items'.*var_names"):
+        called(keras.optimizers.AdamW())
+    excluded = keras.optimizers.AdamW()
+    excluded.exclude_from_weight_decay(var_names=["embeddings"])
+    with pytest.raises(AttributeError):  # past the checks: the stand-in has no lookup
+        called(excluded)
+    with pytest.raises(ValueError, match=r"sparse_updates='exact' on 'items'.*Adam"):
+        called(keras.optimizers.Adam(), sparse_updates="exact")

@@ -147,7 +147,9 @@ class Embedding(keras.layers.Embedding):
                 # gradient, and its gradient is what pushes the rows' gradient to the ps.
                 self._strategy = strategy
                 self._anchor = self.add_weight(
-                    shape=(), initializer="zeros", name="anchor", trainable=True
+                    # "embeddings_anchor": what excludes the table from weight decay
+                    # (var_names=["embeddings"]) excludes this weight too.
+                    shape=(), initializer="zeros", name="embeddings_anchor", trainable=True
                 )
                 self.built = True
                 return
@@ -221,6 +223,15 @@ class Embedding(keras.layers.Embedding):
     def call(self, inputs):
         if self._remote is not None:
             s = self._strategy
+            decay = getattr(s._optimizer, "weight_decay", None)
+            if decay and s._optimizer._use_weight_decay(self._anchor):
+                raise ValueError(
+                    f"Received: {type(s._optimizer).__name__}(weight_decay={decay:g}) for "
+                    f"{self.name!r}, whose table Hybrid keeps on the ps tasks, where weight "
+                    "decay is not applied (it would move every row every step). Exclude the "
+                    "table: optimizer.exclude_from_weight_decay(var_names=['embeddings']), or "
+                    f"keep it mirrored: Hybrid(sparse=[...]) without {self.name!r}."
+                )
             if self.sparse_updates == "exact" and s._optimizer is not None:
                 from tfstrat.ps.remote import optimizer_kind
 
