@@ -128,6 +128,7 @@ def test_a_ps_table_server_answers_lookups_over_4_mib_and_names_itself_in_errors
     from tfstrat.cluster import TFConfig, _free_port_pairs
     from tfstrat.ps.connect import wait_for_ps
     from tfstrat.ps.remote import RemoteTable, TableClients
+    from tfstrat.ps.wire import TableServerError
 
     ps, worker = (f"127.0.0.1:{p}" for p in _free_port_pairs(2))
     config = TFConfig({"ps": [ps], "worker": [worker]}, "ps", 0)
@@ -162,10 +163,10 @@ def test_a_ps_table_server_answers_lookups_over_4_mib_and_names_itself_in_errors
         np.testing.assert_array_equal(np.delete(after, [3, 7], 0), np.delete(before, [3, 7], 0))
 
         where = f"on ps:0 (table server at 127.0.0.1:{int(ps.rsplit(':', 1)[1]) + 1})"
-        with pytest.raises(
-            Exception, match=r"lookup " + re.escape(where) + r".*id 30000 is outside"
-        ):
-            fetch(tf.constant([1, rows], tf.int64))
+        with pytest.raises(Exception, match=r"Table 'big': id 30000 is outside its rows 0..29"):
+            fetch(tf.constant([1, rows], tf.int64))  # checked on the worker, naming the table
+        with pytest.raises(TableServerError, match=re.escape(where) + ".*table 77 does not exist"):
+            clients.call(0, "lookup", np.int64(77), np.array([1], np.int64))  # the ps's error
         np.testing.assert_array_equal(fetch(tf.constant([1], tf.int64)).numpy()[0], after[1])
 
         server.kill()
@@ -274,3 +275,5 @@ def test_a_ps_held_table_refuses_weight_decay_and_exact_updates_it_cannot_apply(
         called(excluded)
     with pytest.raises(ValueError, match=r"sparse_updates='exact' on 'items'.*Adam"):
         called(keras.optimizers.Adam(), sparse_updates="exact")
+    with pytest.raises(ValueError, match=r"SGD\(global_clipnorm=1.0\) with 'items'.*Drop"):
+        called(keras.optimizers.SGD(global_clipnorm=1.0))

@@ -11,7 +11,8 @@ those rows (rows outside the batch keep their slots and values: tf-keras's and T
 behaviour, not Keras 3's dense one).
 
 Each function takes `slots` (name -> the touched rows), the gradient rows `g`, the
-hyper-parameters as scalars of the rows' dtype, and `sqrt`; it returns (new slot rows, step).
+hyper-parameters as scalars (Python floats where Keras uses them so, e.g. `1 - beta_1`, else
+of the rows' dtype), and `sqrt`; it returns (new slot rows, step).
 """
 
 from __future__ import annotations

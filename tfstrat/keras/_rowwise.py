@@ -38,6 +38,7 @@ MODES = ("lazy", "exact")
 _installed = False
 keras_update_step = None  # Keras's own Adagrad.update_step, once install() replaced it
 keras_update_steps: dict = {}  # optimizer class -> its own update_step, once replaced
+_announced: set = set()  # paths of the variables whose lazy update was logged
 
 
 def enabled() -> bool:
@@ -153,6 +154,15 @@ def _update_rows(optimizer, tf, kind, gradient, variable, learning_rate):
         step = ops.divide(ops.multiply(lr, values), ops.sqrt(ops.add(rows, optimizer.epsilon)))
         optimizer.assign_sub(variable, tf.IndexedSlices(step, indices, shape))
         return
+    path = optimizer._trainable_variables[index].path
+    if path not in _announced:  # once per table, when the step is traced
+        _announced.add(path)
+        logger.info(
+            "tfstrat: %s: %s updates only the batch's rows and their slots (lazy; "
+            "tfstrat.keras.layers.Embedding(sparse_updates='exact') for Keras's dense update)",
+            path,
+            type(optimizer).__name__,
+        )
     unique, position = tf.unique(indices)
     g = tf.math.unsorted_segment_sum(values, position, tf.shape(unique)[0])
     cast = lambda x: ops.cast(x, dtype)  # noqa: E731

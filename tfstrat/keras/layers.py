@@ -106,6 +106,30 @@ class _TableSlots(KerasSaveable):
         self._remote.assign_slots({name: np.asarray(store[name]) for name in store.keys()})
 
 
+def _refuse_unapplied_settings(name: str, optimizer) -> None:
+    """A ps updates its table's rows on each push: optimizer settings that would change the
+    step of a mirrored table (clipping over every gradient, accumulation, EMA) are refused
+    rather than ignored."""
+    if optimizer is None:
+        return
+    settings = {
+        "clipnorm": optimizer.clipnorm,
+        "global_clipnorm": optimizer.global_clipnorm,
+        "clipvalue": optimizer.clipvalue,
+        "gradient_accumulation_steps": optimizer.gradient_accumulation_steps,
+        "use_ema": optimizer.use_ema or None,
+    }
+    given = {k: v for k, v in settings.items() if v}
+    if given:
+        k, v = next(iter(given.items()))
+        raise ValueError(
+            f"Received: {type(optimizer).__name__}({k}={v!r}) with {name!r}, whose table Hybrid "
+            f"keeps on the ps tasks, where {k} would not apply to it (the ps updates the rows "
+            f"of each push as it comes). Drop {k}, or keep this table mirrored: "
+            f"Hybrid(sparse=[...]) without {name!r}."
+        )
+
+
 @keras.saving.register_keras_serializable(package="tfstrat")
 class Embedding(keras.layers.Embedding):
     """Drop-in `keras.layers.Embedding` whose lookup moves only the rows it needs."""
@@ -149,7 +173,10 @@ class Embedding(keras.layers.Embedding):
                 self._anchor = self.add_weight(
                     # "embeddings_anchor": what excludes the table from weight decay
                     # (var_names=["embeddings"]) excludes this weight too.
-                    shape=(), initializer="zeros", name="embeddings_anchor", trainable=True
+                    shape=(),
+                    initializer="zeros",
+                    name="embeddings_anchor",
+                    trainable=True,
                 )
                 self.built = True
                 return
@@ -223,6 +250,7 @@ class Embedding(keras.layers.Embedding):
     def call(self, inputs):
         if self._remote is not None:
             s = self._strategy
+            _refuse_unapplied_settings(self.name, s._optimizer)
             decay = getattr(s._optimizer, "weight_decay", None)
             if decay and s._optimizer._use_weight_decay(self._anchor):
                 raise ValueError(

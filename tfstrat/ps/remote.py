@@ -188,7 +188,16 @@ class RemoteTable:
         positions = [np.flatnonzero(part == k) for k in range(len(self.parts))]
         return positions, [ids[p] - starts[k] for k, p in enumerate(positions)]
 
+    def _check(self, ids: np.ndarray) -> None:
+        bad = ids[(ids < 0) | (ids >= self.rows)]
+        if len(bad):
+            raise ValueError(
+                f"Table {self.name!r}: id {int(bad[0])} is outside its rows 0..{self.rows - 1}. "
+                "Embedding inputs must be in [0, input_dim)."
+            )
+
     def _fetch(self, unique_ids: np.ndarray) -> np.ndarray:
+        self._check(unique_ids)
         positions, local = self._split(unique_ids)
         calls = [
             (ps, "lookup", (np.int64(n), ids)) for (ps, n, _, _), ids in zip(self.parts, local)
@@ -198,10 +207,11 @@ class RemoteTable:
             rows[pos] = flat.reshape(-1, self.dim)
         return rows
 
-    def _push(self, unique_ids, grads, step, hyper, rows) -> np.int64:
+    def _push(self, unique_ids, grads, step, hyper, rows, replica) -> np.int64:
+        self._check(unique_ids)
         positions, local = self._split(unique_ids)
         calls = [
-            (ps, "push", (np.int64(n), step, ids, grads[pos].reshape(-1), hyper, rows))
+            (ps, "push", (np.int64(n), step, ids, grads[pos].reshape(-1), hyper, rows, replica))
             for (ps, n, _, _), pos, ids in zip(self.parts, positions, local)
         ]
         return np.int64(sum(int(v[0]) for v in self.clients.call_all(calls)))
@@ -214,7 +224,9 @@ class RemoteTable:
     def push(self, unique_ids, grads, step, hyper, rows=None):
         """Pushes `grads` (already weighted) and their weight `rows` (None: 0, unweighted)."""
         rows = tf.constant(0.0) if rows is None else tf.cast(rows, tf.float32)
-        args = [unique_ids, tf.cast(grads, tf.float32), step, hyper, rows]
+        context = tf.distribute.get_replica_context()  # None in cross-replica code: one pusher
+        replica = tf.cast(context.replica_id_in_sync_group if context else 0, tf.int64)
+        args = [unique_ids, tf.cast(grads, tf.float32), step, hyper, rows, replica]
         return tf.numpy_function(self._push, args, tf.int64, stateful=True, name="push")
 
     def lookup(self, ids, anchor, step_fn, hyper_fn):

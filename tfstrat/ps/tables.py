@@ -7,7 +7,7 @@ Tables are addressed by number (a ps starts before any model exists):
 
     create(table, rows, dim, workers, init)    -> 0     (idempotent; `init` is JSON bytes)
     lookup(table, ids)                         -> rows, flattened
-    push(table, step, ids, grads, hyper, rows) -> the table's version after this push
+    push(table, step, ids, grads, hyper, rows, replica) -> the table's version after this push
     read(table, lo, hi) / write(table, lo, v)  -> rows lo..hi, flattened / 0
     slots(table)                               -> the numbers of its optimizer slots (SLOTS)
     read_slot(table, slot, lo, hi)             -> rows lo..hi of a slot, flattened
@@ -22,10 +22,11 @@ change. Each push carries its rows' gradient already multiplied by its weight an
 (`rows`: the replica's batch rows, `tfstrat.ps.remote`); the sum is divided by the sum of the
 weights, so replicas of unequal batches give the global batch's mean gradient (the same
 weighting `tfstrat.strategies._exact_step` gives mirrored variables) before any optimizer (SGD,
-Adagrad, Adam) or slot sees it. Pushes of weight 0 (a step whose loss Keras did not scale, a
-partition trial) are summed as they are. SGD and Adagrad updates equal Keras's dense update on
-the same gradient (float32 arithmetic, in Keras's order); Adam's is the lazy variant (rows not
-in the batch keep their moments and values).
+Adagrad, Adam, RMSprop) or slot sees it. Pushes of weight 0 (a step whose loss Keras did not
+scale, a partition trial) are summed as they are. Each replica pushes once per step (a second
+push is refused, naming the cause). The steps are `tfstrat._rowmath`'s: SGD and Adagrad equal
+Keras's dense update on the same gradient; Adam, SGD with momentum and RMSprop are the lazy
+variants (rows not in the batch keep their slots and values).
 
 Checkpoints read and write the slots with the table (`tfstrat.keras.layers.Embedding`), so a
 run restored from one continues exactly. Adam's bias correction needs no state here: each push
@@ -69,7 +70,7 @@ class Table:
         self.rows, self.dim, self.workers = rows, dim, workers
         self.value = _initial(rows, dim, init)
         self.slots: dict[str, np.ndarray] = {}
-        self.pending: list[tuple[np.ndarray, np.ndarray]] = []
+        self.pending: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # replica -> its push
         self.pending_rows = 0.0  # the sum of the pending pushes' weights
         self.pending_step = None
         self.version = 0
@@ -92,25 +93,38 @@ class Table:
         with self.lock:  # never half-way through a step's update
             return self.value[ids].reshape(-1)
 
-    def push(self, step, ids, grads, hyper, rows):
+    def push(self, step, ids, grads, hyper, rows, replica=0):
+        ids = self.check(ids)
         grads = np.asarray(grads, np.float32).reshape(-1, self.dim)
-        step = int(step)
+        if len(grads) != len(ids):
+            raise ValueError(f"a push of {len(ids)} ids carried {len(grads)} gradient rows")
+        step, replica = int(step), int(replica)
         with self.lock:
             if self.pending and step != self.pending_step:
                 raise ValueError(
                     f"tfstrat table: a push for step {step} while step "
                     f"{self.pending_step} has {len(self.pending)} of {self.workers} pushes. "
-                    "Every worker must run the same steps."
+                    "Every worker must run the same steps (after a failed step, restart the ps "
+                    "tasks with the workers, or restore a checkpoint: that clears them)."
                 )
-            self.pending.append((self.check(ids), grads))
+            if replica in self.pending:
+                raise ValueError(
+                    f"tfstrat table: replica {replica} pushed step {step} twice. Is the "
+                    "Embedding layer called twice in one step? Call each layer once per step "
+                    "(reuse its output), or keep the table mirrored: Hybrid(sparse=[...])."
+                )
+            self.pending[replica] = (ids, grads)
             self.pending_rows += float(rows)
             self.pending_step = step
             if len(self.pending) == self.workers:
-                unique, summed = _sum_rows(self.pending, self.dim)
-                if self.pending_rows > 0:  # the global batch's mean, as one device computes it
-                    summed /= np.float32(self.pending_rows)
+                # In replica order, so every run sums the same way; the step's pushes are
+                # dropped before the update, so a failed update cannot wedge the next step.
+                pushes = [self.pending[r] for r in sorted(self.pending)]
+                weight, self.pending, self.pending_rows = self.pending_rows, {}, 0.0
+                unique, summed = _sum_rows(pushes, self.dim)
+                if weight > 0:  # the global batch's mean, as one device computes it
+                    summed /= np.float32(weight)
                 self._apply(unique, summed, np.asarray(hyper, np.float32), step)
-                self.pending, self.pending_rows = [], 0.0
                 self.version += 1
             return self.version
 
@@ -237,22 +251,28 @@ class Registry:
     def lookup(self, table, ids):
         return self.get(table).lookup(ids)
 
-    def push(self, table, step, ids, grads, hyper, rows):
+    def push(self, table, step, ids, grads, hyper, rows, replica=0):
         if np.size(hyper) != HYPER:
             raise ValueError(
                 f"a push carried {np.size(hyper)} optimizer numbers; this ps expects {HYPER}. "
                 "Do the workers and the ps run the same tfstrat version?"
             )
-        return np.int64(self.get(table).push(step, ids, grads, hyper, rows))
+        return np.int64(self.get(table).push(step, ids, grads, hyper, rows, replica))
 
     def read(self, table, lo, hi):
-        return self.get(table).value[int(lo) : int(hi)].reshape(-1)
+        t = self.get(table)
+        with t.lock:
+            return t.value[int(lo) : int(hi)].reshape(-1).copy()
 
     def write(self, table, lo, values):
         t = self.get(table)
         rows = np.asarray(values, np.float32).reshape(-1, t.dim)
         with t.lock:
             t.value[int(lo) : int(lo) + len(rows)] = rows
+            if t.pending:  # a restore starts afresh: a failed step's pushes are void
+                logger.info("tfstrat server: table %d restored; %d pushes of step %s dropped",
+                            int(table), len(t.pending), t.pending_step)  # fmt: skip
+                t.pending, t.pending_rows = {}, 0.0
         return _ZERO
 
     def slots(self, table):
@@ -264,7 +284,8 @@ class Registry:
         name = SLOTS[int(slot)]
         if name not in t.slots:
             raise ValueError(f"tfstrat table {int(table)} has no slot {name!r}")
-        return t.slots[name][int(lo) : int(hi)].reshape(-1)
+        with t.lock:
+            return t.slots[name][int(lo) : int(hi)].reshape(-1).copy()
 
     def write_slot(self, table, slot, lo, values):
         t = self.get(table)

@@ -29,6 +29,7 @@ from tfstrat import _ports
 
 logger = logging.getLogger(__name__)
 _LENGTH = struct.Struct("<I")
+_MAX_HEADER = 1 << 20  # a header is a few hundred bytes: more is not one of our frames
 
 
 class TableServerError(RuntimeError):
@@ -55,10 +56,14 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
 
 def _recv(sock: socket.socket) -> tuple[dict, list[np.ndarray]]:
     (length,) = _LENGTH.unpack(_recv_exact(sock, _LENGTH.size))
+    if length > _MAX_HEADER:
+        raise ValueError(f"a frame header of {length} bytes: not a tfstrat table call")
     header = json.loads(bytes(_recv_exact(sock, length)))
     arrays = []
     for dtype, shape in header.pop("arrays"):
         dtype = np.dtype(dtype)
+        if dtype.hasobject:
+            raise ValueError(f"dtype {dtype} cannot cross the wire")
         n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         arrays.append(np.frombuffer(_recv_exact(sock, n), dtype).reshape(shape))
     return header, arrays
@@ -80,10 +85,14 @@ class Server:
     def _accept(self):
         while True:
             try:
-                conn, peer = self.listener.accept()
-            except OSError:
-                return  # closed
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                conn, _ = self.listener.accept()
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError as e:
+                if self.listener.fileno() == -1:
+                    return  # closed
+                logger.warning("%s: accept failed (%s); still listening", self.name, e)
+                time.sleep(0.1)  # e.g. out of file descriptors for a moment
+                continue
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket):
@@ -93,6 +102,9 @@ class Server:
                     header, arrays = _recv(conn)
                 except (EOFError, OSError):
                     return  # the worker is gone (or only checked that the port is open)
+                except (ValueError, KeyError, TypeError) as e:  # not our protocol
+                    logger.warning("%s: dropped a connection: %s", self.name, e)
+                    return
                 method = header.get("method", "")
                 try:
                     if method not in self.handler.METHODS:
@@ -158,13 +170,13 @@ class Connection:
         tasks at once."""
         try:
             _send(self._connected(), {"method": method}, [np.asarray(a) for a in arrays])
-        except (OSError, TableServerError) as e:
+        except BaseException as e:  # a frame half sent (even on Ctrl-C) ends the connection
             self._fail(method, e)
 
     def receive(self, method: str) -> list[np.ndarray]:
         try:
             header, arrays = _recv(self._sock)
-        except (OSError, EOFError, ValueError) as e:
+        except BaseException as e:  # a frame half read (even on Ctrl-C) ends the connection
             self._fail(method, e)
         if "error" in header:
             raise TableServerError(f"tfstrat: {self.what(method)} failed: {header['error']}")
@@ -177,6 +189,8 @@ class Connection:
     def _fail(self, method: str, error: BaseException):
         """Closes the connection (a half-read frame cannot be resumed) and raises, naming it."""
         self.close()
+        if not isinstance(error, Exception):  # KeyboardInterrupt, SystemExit: as they are
+            raise error
         if isinstance(error, TimeoutError):
             why = f"no answer within {self.timeout:g} s"
         elif isinstance(error, (EOFError, ConnectionError)):

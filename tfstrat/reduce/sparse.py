@@ -78,9 +78,18 @@ def table_rows(slices: tf.IndexedSlices) -> int | None:
 _lazy_values: set = set()
 
 
-def keep_sparse(slices: tf.IndexedSlices) -> None:
-    """Marks a gradient the density switch must not densify (see `_lazy_values`)."""
-    _lazy_values.add(slices.values.ref())
+def keep_sparse(slices: tf.IndexedSlices):
+    """Marks a gradient the density switch must not densify (see `_lazy_values`); returns
+    the mark, for `forget` once the gradient is reduced."""
+    mark = slices.values.ref()
+    _lazy_values.add(mark)
+    return mark
+
+
+def forget(marks) -> None:
+    """Drops `keep_sparse`'s marks (they hold their graphs' tensors)."""
+    for mark in marks:
+        _lazy_values.discard(mark)
 
 
 class DensityPolicy:

@@ -32,6 +32,8 @@ import threading
 import numpy as np
 import tensorflow as tf
 
+from tfstrat.reduce import sparse
+
 
 class _Step(threading.local):
     """The step being traced, per replica: MirroredStrategy traces each replica in a thread."""
@@ -178,15 +180,17 @@ def _with_static_shape(grad, variable):
     return tf.ensure_shape(grad, shape)
 
 
-def _keep_lazy_sparse(pairs) -> None:
+def _keep_lazy_sparse(pairs) -> list:
     """Gradients of tables marked "lazy" are reduced sparsely whatever `sparse_as_dense` says
-    (`tfstrat.reduce.sparse.keep_sparse`)."""
+    (`tfstrat.reduce.sparse.keep_sparse`); returns the marks to forget afterwards."""
     from tfstrat.keras import _rowwise
     from tfstrat.reduce import sparse
 
-    for g, v in pairs:
-        if isinstance(g, tf.IndexedSlices) and _rowwise.is_lazy(v):
-            sparse.keep_sparse(g)
+    return [
+        sparse.keep_sparse(g)
+        for g, v in pairs
+        if isinstance(g, tf.IndexedSlices) and _rowwise.is_lazy(v)
+    ]
 
 
 def step_reduce(reduce_sum, stop, replicas: int):
@@ -202,18 +206,24 @@ def step_reduce(reduce_sum, stop, replicas: int):
         rows = _step.rows if _step.scaled else None
         metrics = _step.metrics or []
         if not have or context is None or (stop is None and rows is None and not metrics):
-            _keep_lazy_sparse(pairs)
-            return reduce_sum(pairs)
+            marks = _keep_lazy_sparse(pairs)
+            try:
+                return reduce_sum(pairs)
+            finally:
+                sparse.forget(marks)
         grads = [pairs[i][0] for i in have]
         dtype = _extras_dtype(grads)
         parts = [stop.flags(dtype)] if stop is not None else []
         if rows is not None:
             grads = [_scale(g, rows * replicas) for g in grads]
             parts.append(tf.reshape(tf.cast(rows, dtype), [1]))
-        _keep_lazy_sparse([(g, pairs[i][1]) for i, g in zip(have, grads)])
+        marks = _keep_lazy_sparse([(g, pairs[i][1]) for i, g in zip(have, grads)])
         variables = [v for m in metrics for v in m.variables]
         parts += [tf.reshape(tf.cast(v.value, dtype), [-1]) for v in variables]
-        reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, grads + [tf.concat(parts, 0)])
+        try:
+            reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, grads + [tf.concat(parts, 0)])
+        finally:
+            sparse.forget(marks)
         extras, at = reduced[-1], 0
         if stop is not None:
             stop.agree(extras[:2])
