@@ -43,9 +43,11 @@ class Hybrid(CollectiveAllReduce):
         timeout: seconds any collective or RPC may take before failing with an error.
         devices, communication: as in `CollectiveAllReduce`.
 
-    Tables on ps tasks are updated row by row: SGD (without momentum) and Adagrad exactly as
-    Keras's dense update of the same gradient, Adam lazily (rows outside the batch keep their
-    moments). Other optimizers need `sparse=[]`. Gradient clipping does not see the tables.
+    Tables on ps tasks are updated row by row (`tfstrat._rowmath`): SGD and Adagrad exactly as
+    Keras's dense update of the same gradient; Adam, SGD with momentum and RMSprop lazily (rows
+    outside the batch keep their slots), as a mirrored table with `sparse_updates="lazy"`.
+    Other optimizers, and clipping, accumulation, EMA or weight decay that would not reach the
+    tables, are refused at the first step; `sparse=[]` keeps every table mirrored.
     """
 
     def __init__(
