@@ -76,3 +76,14 @@ def rmsprop(slots, g, *, lr, rho, one_minus_rho, epsilon, momentum, sqrt, **_):
         return {"velocity": velocity}, increment
     m = momentum * slots["momentum"] + increment
     return {"velocity": velocity, "momentum": m}, m
+
+
+# Each step by the name its users pass around (rmsprop takes its momentum slot when present).
+STEPS = {
+    "sgd": sgd,
+    "sgd_momentum": sgd_momentum,
+    "adagrad": adagrad,
+    "adam": adam,
+    "rmsprop": rmsprop,
+    "rmsprop_momentum": rmsprop,
+}

@@ -116,12 +116,6 @@ def install() -> bool:
     return True
 
 
-_STEPS = {
-    "adam": _rowmath.adam,
-    "sgd_momentum": _rowmath.sgd_momentum,
-    "rmsprop": _rowmath.rmsprop,
-    "rmsprop_momentum": _rowmath.rmsprop,
-}
 _SLOT_LISTS = {  # where each Keras optimizer keeps the slots `_rowmath` names
     "accumulator": "_accumulators",
     "momentum": "_momentums",
@@ -186,7 +180,7 @@ def _update_rows(optimizer, tf, kind, gradient, variable, learning_rate):
             momentum=optimizer.momentum,
         )
     rows = {name: _local.rows(slot.value, unique) for name, slot in slots.items()}
-    new_rows, step = _STEPS[kind](rows, g, **hyper)
+    new_rows, step = _rowmath.STEPS[kind](rows, g, **hyper)
     for name, value in new_rows.items():
         optimizer.assign(slots[name], tf.IndexedSlices(value, unique, shape))
     optimizer.assign_sub(variable, tf.IndexedSlices(step, unique, shape))

@@ -106,12 +106,13 @@ class _TableSlots(KerasSaveable):
         self._remote.assign_slots({name: np.asarray(store[name]) for name in store.keys()})
 
 
-def _refuse_unapplied_settings(name: str, optimizer) -> None:
-    """A ps updates its table's rows on each push: optimizer settings that would change the
-    step of a mirrored table (clipping over every gradient, accumulation, EMA) are refused
-    rather than ignored."""
+def _refuse_for_ps_table(layer, optimizer) -> None:
+    """A ps updates its table's rows on each push, lazily: optimizer settings that would
+    change the step of a mirrored table (clipping over every gradient, accumulation, EMA,
+    weight decay, a dense "exact" step) are refused rather than ignored."""
     if optimizer is None:
         return
+    name = layer.name
     settings = {
         "clipnorm": optimizer.clipnorm,
         "global_clipnorm": optimizer.global_clipnorm,
@@ -127,6 +128,28 @@ def _refuse_unapplied_settings(name: str, optimizer) -> None:
             f"keeps on the ps tasks, where {k} would not apply to it (the ps updates the rows "
             f"of each push as it comes). Drop {k}, or keep this table mirrored: "
             f"Hybrid(sparse=[...]) without {name!r}."
+        )
+    decay = getattr(optimizer, "weight_decay", None)
+    if decay and optimizer._use_weight_decay(layer._anchor):
+        raise ValueError(
+            f"Received: {type(optimizer).__name__}(weight_decay={decay:g}) for "
+            f"{name!r}, whose table Hybrid keeps on the ps tasks, where weight "
+            "decay is not applied (it would move every row every step). Exclude the "
+            "table: optimizer.exclude_from_weight_decay(var_names=['embeddings']), or "
+            f"keep it mirrored: Hybrid(sparse=[...]) without {name!r}."
+        )
+    from tfstrat.ps.remote import optimizer_kind
+
+    if layer.sparse_updates == "exact" and optimizer_kind(optimizer) not in (
+        "sgd",
+        "adagrad",
+        None,
+    ):
+        raise ValueError(
+            f"Received: sparse_updates='exact' on {name!r}, whose table Hybrid "
+            f"puts on the ps tasks, with {type(optimizer).__name__}: a ps updates "
+            "only the batch's rows (lazily). Use sparse_updates='lazy', or keep "
+            f"this table mirrored: Hybrid(sparse=[...]) without {name!r}."
         )
 
 
@@ -250,26 +273,7 @@ class Embedding(keras.layers.Embedding):
     def call(self, inputs):
         if self._remote is not None:
             s = self._strategy
-            _refuse_unapplied_settings(self.name, s._optimizer)
-            decay = getattr(s._optimizer, "weight_decay", None)
-            if decay and s._optimizer._use_weight_decay(self._anchor):
-                raise ValueError(
-                    f"Received: {type(s._optimizer).__name__}(weight_decay={decay:g}) for "
-                    f"{self.name!r}, whose table Hybrid keeps on the ps tasks, where weight "
-                    "decay is not applied (it would move every row every step). Exclude the "
-                    "table: optimizer.exclude_from_weight_decay(var_names=['embeddings']), or "
-                    f"keep it mirrored: Hybrid(sparse=[...]) without {self.name!r}."
-                )
-            if self.sparse_updates == "exact" and s._optimizer is not None:
-                from tfstrat.ps.remote import optimizer_kind
-
-                if optimizer_kind(s._optimizer) not in ("sgd", "adagrad", None):
-                    raise ValueError(
-                        f"Received: sparse_updates='exact' on {self.name!r}, whose table Hybrid "
-                        f"puts on the ps tasks, with {type(s._optimizer).__name__}: a ps updates "
-                        "only the batch's rows (lazily). Use sparse_updates='lazy', or keep "
-                        f"this table mirrored: Hybrid(sparse=[...]) without {self.name!r}."
-                    )
+            _refuse_for_ps_table(self, s._optimizer)  # at trace time
             rows = self._remote.lookup(inputs, self._anchor, s.table_step, s.table_hyper)
             return tf.cast(rows, self.compute_dtype)
         tables = None if (self.quantization_mode or self.lora_enabled) else self._tables()

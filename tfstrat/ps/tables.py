@@ -143,7 +143,7 @@ class Table:
         fills = {"accumulator": float(initial_accumulator)}
         slots = {n: self.slot(n, fills.get(n, 0.0)) for n in _rowmath.SLOTS[name]}
         t = np.float32(step + 1)
-        new_rows, delta = _STEPS[name](
+        new_rows, delta = _rowmath.STEPS[name](
             {n: slot[ids] for n, slot in slots.items()},
             grads,
             lr=lr,
@@ -161,16 +161,6 @@ class Table:
         for n, rows in new_rows.items():
             slots[n][ids] = rows
         self.value[ids] -= delta
-
-
-_STEPS = {
-    "sgd": _rowmath.sgd,
-    "adagrad": _rowmath.adagrad,
-    "adam": _rowmath.adam,
-    "sgd_momentum": _rowmath.sgd_momentum,
-    "rmsprop": _rowmath.rmsprop,
-    "rmsprop_momentum": _rowmath.rmsprop,
-}
 
 
 def _sum_rows(pushes, dim: int):

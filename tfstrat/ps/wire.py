@@ -182,10 +182,6 @@ class Connection:
             raise TableServerError(f"tfstrat: {self.what(method)} failed: {header['error']}")
         return arrays
 
-    def call(self, method: str, *arrays) -> list[np.ndarray]:
-        self.send(method, *arrays)
-        return self.receive(method)
-
     def _fail(self, method: str, error: BaseException):
         """Closes the connection (a half-read frame cannot be resumed) and raises, naming it."""
         self.close()
