@@ -22,6 +22,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import statistics
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -52,48 +53,91 @@ ROWS = [  # (row, model, label, worker strategy, workload, ps tasks): multihost'
 ]
 
 
+def _by_seed(row: dict) -> dict:
+    """{seed: {network: result}}; runs before --seeds kept one seed's results in "results"."""
+    return row.get("seeds") or {"0": row["results"]}
+
+
 def table(rows: list[dict], links: dict, args, machine: dict) -> str:
     from tfstrat.bench import _report
 
     networks = list(links)
+    seeds = sorted({k for r in rows for k in _by_seed(r)}, key=int)
     headers = ["row", "strategy"]
     for n in networks:
-        headers += [f"{n}: ex/s (min-max)", f"{n}: vs B-2", f"{n}: accuracy"]
+        headers += [f"{n}: ex/s (min-max)", f"{n}: vs B-2"]
+    headers += ["accuracy, mean (min-max)", "vs B-2, points (paired by seed)"]
     headers += ["bytes sent/step/worker"]
-    base = {  # vs B-2 of the same model (B-2, B-2-wide)
-        ("wide" if b["row"].endswith("-wide") else "", n): b["results"][n].get("examples_per_s")
-        for b in rows
-        if b["row"].startswith("B-2")
-        for n in networks
-        if n in b["results"]
-    }
+
+    def base_row(r):  # B-2 of the same model (B-2, B-2-wide)
+        wide = r["row"].endswith("-wide")
+        return next((b for b in rows if b["row"] == ("B-2-wide" if wide else "B-2")), None)
+
+    def results(r, n):
+        return [m[n] for m in _by_seed(r).values() if "examples_per_s" in m.get(n, {})]
+
+    def speed(r, n):  # median over seeds of each seed's median epoch
+        done = results(r, n)
+        return statistics.median(m["examples_per_s"] for m in done) if done else None
+
+    def accuracies(r):  # {seed: accuracy} on the first network that has one (all agree)
+        out = {}
+        for seed, per_net in _by_seed(r).items():
+            for n in networks:
+                if per_net.get(n, {}).get("accuracy") is not None:
+                    out[seed] = per_net[n]["accuracy"]
+                    break
+        return out
+
     body = []
     for r in rows:
         cells = [r["row"], r["label"]]
-        kind = "wide" if r["row"].endswith("-wide") else ""
+        b = base_row(r)
         for n in networks:
-            m = r["results"].get(n, {})
-            if "examples_per_s" not in m:
-                cells += [f"failed: {m.get('error', '?')[:80]}", "-", "-"]
+            done = results(r, n)
+            if not done:
+                errors = [m.get(n, {}).get("error", "?") for m in _by_seed(r).values()]
+                cells += [f"failed: {errors[0][:80]}", "-"]
                 continue
-            x = m["examples_per_s"]
-            cells.append(f"{x:,.0f} ({m['examples_per_s_min']:,.0f}-{m['examples_per_s_max']:,.0f})")
-            cells.append(f"{x / base[kind, n]:.2f}" if base.get((kind, n)) else "-")
-            acc = m.get("accuracy")
-            cells.append(f"{acc:.1%}" if acc is not None else "-")
+            x = speed(r, n)
+            lo = min(m["examples_per_s_min"] for m in done)
+            hi = max(m["examples_per_s_max"] for m in done)
+            cells.append(f"{x:,.0f} ({lo:,.0f}-{hi:,.0f})")
+            bx = speed(b, n) if b else None
+            cells.append(f"{x / bx:.2f}" if bx else "-")
+        acc = accuracies(r)
+        if acc:
+            values = list(acc.values())
+            cells.append(
+                f"{statistics.mean(values):.1%} ({min(values):.1%}-{max(values):.1%})"
+                if len(values) > 1
+                else f"{values[0]:.1%}"
+            )
+            base = accuracies(b) if b else {}
+            diffs = [100 * (acc[k] - base[k]) for k in acc if k in base]
+            cells.append(
+                f"{statistics.mean(diffs):+.1f} ({min(diffs):+.1f} to {max(diffs):+.1f})"
+                if len(diffs) > 1
+                else (f"{diffs[0]:+.1f}" if diffs else "-")
+            )
+        else:
+            cells += ["-", "-"]
         sent = next(
-            (m.get("bytes_sent_per_step") for m in r["results"].values() if "examples_per_s" in m),
-            None,
+            (m.get("bytes_sent_per_step") for n in networks for m in results(r, n)), None
         )
         cells.append(f"{sent:,.0f}" if sent else "-")
         body.append(cells)
     link = ", ".join(f"{n}: {v:,.0f} MB/s" for n, v in links.items())
+    held_out = "1,024" if args.held_out is None else f"{args.held_out:,}"
     return _report.markdown(headers, body) + (
         f"\n\nOne TCP stream between two hosts (the link): {link}. {args.workers} workers, "
-        f"{args.threads} thread(s) per TensorFlow pool per task; median of {args.repeats} timed "
-        f"epochs of {args.steps} steps after a warm-up epoch (every row sees the same "
-        "examples). Accuracy: on 1,024 held-out images (noise over a colour per image, labelled "
-        "by the training labels' fixed random linear map of the colour). Machine: "
+        f"{args.threads} thread(s) per TensorFlow pool per task; {len(seeds)} seed(s) "
+        f"({', '.join(seeds)}: initial weights and training images) per row, rows side by side "
+        f"per seed; ex/s: median over seeds of each run's median of {args.repeats} timed "
+        f"epochs of {args.steps} steps after a warm-up epoch (every row of a seed sees the same "
+        f"examples). Accuracy: on {held_out} held-out images (noise over a colour per image, "
+        "labelled by the training labels' fixed random linear map of the colour), the same on "
+        "every network (training is deterministic). Machine: "
         f"{machine.get('cpus')} CPUs, TensorFlow {machine.get('tensorflow')}, Keras "
         f"{machine.get('keras')}; every task shares these cores."
     )
@@ -111,13 +155,16 @@ def main(argv=None) -> int:
     parser.add_argument("--networks", default="loopback,limited")
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--link-mb", type=int, default=300, help="MB sent to measure the link")
+    parser.add_argument(
+        "--seeds", default="0", help="comma-separated seeds: each row runs once per seed"
+    )
     parser.add_argument("--render", metavar="JSON", help="print the table of an earlier run")
     args = parser.parse_args(argv)
     if args.render:
         with open(args.render) as f:
             saved = json.load(f)
-        for key in ("workers", "threads", "steps", "repeats"):
-            setattr(args, key, saved.get("args", {}).get(key, getattr(args, key)))
+        for key in ("workers", "threads", "steps", "repeats", "held_out"):
+            setattr(args, key, saved.get("args", {}).get(key))
         print(table(saved["rows"], saved["links_mb_per_s"], args, saved["machine"]))
         return 0
 
@@ -133,11 +180,14 @@ def main(argv=None) -> int:
         except netns.Unavailable as e:
             print(f"benchmarks/localsgd: {e}", file=sys.stderr)
             return 2
+    from tfstrat.bench._worker import HELD_OUT
+
+    args.held_out = HELD_OUT
     machine = _report.machine()
     wanted = args.rows.split(",")
     specs = {r[0]: r for r in ROWS}
     rows = [
-        {"row": r[0], "label": r[2], "workers": args.workers, "results": {}}
+        {"row": r[0], "label": r[2], "workers": args.workers, "results": {}, "seeds": {}}
         for r in ROWS
         if r[0] in wanted
     ]
@@ -152,7 +202,14 @@ def main(argv=None) -> int:
             )
             links[name] = multihost.link_mb_per_s(nets[name], args.link_mb)
         print("link MB/s", links, flush=True)
-        multihost.measure(rows, specs, nets, links, args, _describe)
+        for seed in args.seeds.split(","):  # all rows of a seed side by side, then the next
+            print(f"seed {seed}", flush=True)
+            seeded = {k: (*r[:4], {**r[4], "seed": int(seed)}, r[5]) for k, r in specs.items()}
+            for row in rows:
+                row["results"] = {}
+            multihost.measure(rows, seeded, nets, links, args, _describe)
+            for row in rows:
+                row.setdefault("seeds", {})[seed] = row.pop("results")
     text = table(rows, links, args, machine)
     multihost.write(args.out, "localsgd", text, links, rows, machine, args)
     return 0
