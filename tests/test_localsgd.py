@@ -151,3 +151,12 @@ def test_weights_set_between_fits_are_the_next_periods_anchor(tmp_path):
     assert result["moved"] > 1e-3, result  # the first fit trained
     assert result["outer_iterations"] == 3, result  # 2 syncs, then 1
     assert result["after"] == 0.0, result  # was half-way back to the first fit's weights
+
+
+def test_the_outer_nesterov_step_is_dilocos_rule_written_out(tmp_path):
+    out = tmp_path / "outer.json"
+    run_script("localsgd_outer.py", str(out))
+    result = json.loads(out.read_text())
+    assert result["moved"] > 1e-2, result  # trained
+    assert result["syncs"] == 8 and result["outer_iterations"] == 8, result  # 3+3+3+1, twice
+    assert max(result["errors"]) < TOLERANCE, result
