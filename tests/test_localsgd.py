@@ -32,7 +32,9 @@ def cluster_run(tmp_path_factory):
 
 
 def _series(npz, name):
-    keys = sorted((k for k in npz.files if k.startswith(f"{name}/w")), key=lambda k: int(k[len(name) + 2 :]))
+    keys = sorted(
+        (k for k in npz.files if k.startswith(f"{name}/w")), key=lambda k: int(k[len(name) + 2 :])
+    )
     return [npz[k] for k in keys]
 
 

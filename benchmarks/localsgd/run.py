@@ -122,9 +122,7 @@ def table(rows: list[dict], links: dict, args, machine: dict) -> str:
             )
         else:
             cells += ["-", "-"]
-        sent = next(
-            (m.get("bytes_sent_per_step") for n in networks for m in results(r, n)), None
-        )
+        sent = next((m.get("bytes_sent_per_step") for n in networks for m in results(r, n)), None)
         cells.append(f"{sent:,.0f}" if sent else "-")
         body.append(cells)
     link = ", ".join(f"{n}: {v:,.0f} MB/s" for n, v in links.items())
@@ -219,6 +217,7 @@ def _describe(result: dict) -> str:
     speed = result.get("examples_per_s")
     shown = f"{speed:,.0f} ex/s" if speed else result.get("error")
     return f"{shown} accuracy {result.get('accuracy')}"
+
 
 if __name__ == "__main__":
     sys.exit(main())

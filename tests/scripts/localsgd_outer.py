@@ -40,7 +40,7 @@ reference.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse"
 anchor = [w.copy() for w in initial]
 outer_m = [np.zeros_like(w) for w in initial]
 syncs = 0
-for epoch in range(2):
+for _epoch in range(2):
     since = 0
     for step in range(10):
         reference.train_on_batch(x[8 * step : 8 * step + 8], y[8 * step : 8 * step + 8])

@@ -267,7 +267,10 @@ def main(config: dict) -> dict:
     if config.get("accuracy"):
         held_out, labels = _teacher_data(np, 1, HELD_OUT, int(config["image"]))
         logits = np.concatenate(  # this worker's model, in slices (no collective)
-            [model(tf.constant(held_out[i : i + 512]), training=False) for i in range(0, HELD_OUT, 512)]
+            [
+                model(tf.constant(held_out[i : i + 512]), training=False)
+                for i in range(0, HELD_OUT, 512)
+            ]
         )
         accuracy = float((np.asarray(logits).argmax(1) == labels).mean())
     import resource
