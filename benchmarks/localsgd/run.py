@@ -66,7 +66,7 @@ def table(rows: list[dict], links: dict, args, machine: dict) -> str:
     headers = ["row", "strategy"]
     for n in networks:
         headers += [f"{n}: ex/s (min-max)", f"{n}: vs B-2"]
-    headers += ["accuracy, mean (min-max)", "vs B-2, points (paired by seed)"]
+    headers += ["accuracy, mean (min-max)", "vs B-2, points: mean ± s.e. (range), paired by seed"]
     headers += ["bytes sent/step/worker"]
 
     def base_row(r):  # B-2 of the same model (B-2, B-2-wide)
@@ -115,11 +115,14 @@ def table(rows: list[dict], links: dict, args, machine: dict) -> str:
             )
             base = accuracies(b) if b else {}
             diffs = [100 * (acc[k] - base[k]) for k in acc if k in base]
-            cells.append(
-                f"{statistics.mean(diffs):+.1f} ({min(diffs):+.1f} to {max(diffs):+.1f})"
-                if len(diffs) > 1
-                else (f"{diffs[0]:+.1f}" if diffs else "-")
-            )
+            if len(diffs) > 1:  # mean +- its standard error, and the range
+                se = statistics.stdev(diffs) / len(diffs) ** 0.5
+                cells.append(
+                    f"{statistics.mean(diffs):+.1f} ± {se:.1f} "
+                    f"({min(diffs):+.1f} to {max(diffs):+.1f})"
+                )
+            else:
+                cells.append(f"{diffs[0]:+.1f}" if diffs else "-")
         else:
             cells += ["-", "-"]
         sent = next((m.get("bytes_sent_per_step") for n in networks for m in results(r, n)), None)
@@ -156,14 +159,23 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--seeds", default="0", help="comma-separated seeds: each row runs once per seed"
     )
-    parser.add_argument("--render", metavar="JSON", help="print the table of an earlier run")
+    parser.add_argument(
+        "--render", metavar="JSON[,JSON]", help="print the table of earlier runs (their seeds)"
+    )
     args = parser.parse_args(argv)
-    if args.render:
-        with open(args.render) as f:
-            saved = json.load(f)
+    if args.render:  # several runs (of other seeds): one table over all their seeds
+        runs = []
+        for path in args.render.split(","):
+            with open(path) as f:
+                runs.append(json.load(f))
+        saved = runs[0]
         for key in ("workers", "threads", "steps", "repeats", "held_out"):
             setattr(args, key, saved.get("args", {}).get(key))
-        print(table(saved["rows"], saved["links_mb_per_s"], args, saved["machine"]))
+        rows = [dict(r, seeds=dict(_by_seed(r))) for r in saved["rows"]]
+        for run in runs[1:]:
+            for row, other in zip(rows, run["rows"], strict=True):
+                row["seeds"].update(_by_seed(other))
+        print(table(rows, saved["links_mb_per_s"], args, saved["machine"]))
         return 0
 
     import netns
