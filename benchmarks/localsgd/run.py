@@ -6,7 +6,8 @@ Rows (2 workers, `tfstrat bench scaling`'s small CNN on learnable labels, SGD wi
   D-2-s16   LocalSGD with DiLoCo's outer Nesterov step, every 16 steps
 Each row: examples/s (median of the timed epochs), bytes this worker sent per step (on its
 sockets for LocalSGD; what CollectiveAllReduce hands its ring, by ring arithmetic, for B-2),
-and accuracy on 1,024 held-out images after the same number of examples.
+and accuracy on 8,192 held-out images after the same number of examples, once per seed
+(`--seeds`).
 
 Networks: loopback (`tfstrat launch` on 127.0.0.1), and one task per network namespace with
 each host's egress limited by `tc qdisc ... tbf rate 1gbit` (tests/netns.py; the machinery of
@@ -80,13 +81,19 @@ def table(rows: list[dict], links: dict, args, machine: dict) -> str:
         done = results(r, n)
         return statistics.median(m["examples_per_s"] for m in done) if done else None
 
-    def accuracies(r):  # {seed: accuracy} on the first network that has one (all agree)
+    def accuracies(r):  # {seed: accuracy}; training is deterministic: networks must agree
         out = {}
         for seed, per_net in _by_seed(r).items():
-            for n in networks:
-                if per_net.get(n, {}).get("accuracy") is not None:
-                    out[seed] = per_net[n]["accuracy"]
-                    break
+            found = {
+                per_net[n]["accuracy"]
+                for n in networks
+                if per_net.get(n, {}).get("accuracy") is not None
+            }
+            if len(found) > 1:
+                raise SystemExit(f"{r['row']} seed {seed}: accuracy differs between networks "
+                                 f"({sorted(found)}): training was not deterministic")  # fmt: skip
+            if found:
+                out[seed] = found.pop()
         return out
 
     body = []
@@ -169,11 +176,23 @@ def main(argv=None) -> int:
             with open(path) as f:
                 runs.append(json.load(f))
         saved = runs[0]
-        for key in ("workers", "threads", "steps", "repeats", "held_out"):
-            setattr(args, key, saved.get("args", {}).get(key))
+        settings = ("workers", "threads", "steps", "repeats", "held_out")
+        for key in settings:
+            setattr(args, key, saved.get("args", {}).get(key, getattr(args, key, None)))
         rows = [dict(r, seeds=dict(_by_seed(r))) for r in saved["rows"]]
-        for run in runs[1:]:
-            for row, other in zip(rows, run["rows"], strict=True):
+        by_name = {r["row"]: r for r in rows}
+        for path, run in zip(args.render.split(",")[1:], runs[1:], strict=True):
+            for key in settings:
+                if run.get("args", {}).get(key) != saved.get("args", {}).get(key):
+                    raise SystemExit(f"{path}: {key} differs from the first run's; not merged")
+            for other in run["rows"]:
+                row = by_name.setdefault(other["row"], dict(other, seeds={}))
+                if row not in rows:
+                    rows.append(row)
+                repeated = set(row["seeds"]) & set(_by_seed(other))
+                if repeated:
+                    raise SystemExit(f"{path}: seed(s) {sorted(repeated)} of {other['row']} "
+                                     "are in an earlier run too; render runs of other seeds")  # fmt: skip
                 row["seeds"].update(_by_seed(other))
         print(table(rows, saved["links_mb_per_s"], args, saved["machine"]))
         return 0

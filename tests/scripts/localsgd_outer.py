@@ -2,7 +2,9 @@
 
 Inner SGD with momentum for `sync_every` = 3 steps, then the outer Nesterov step on the
 pseudo-gradient (weights at the last sync minus the average; with one worker the average is
-the worker's weights), and a sync at each epoch's end after a partial period. The reference
+the worker's weights: the average itself is tested with two workers by test_localsgd's
+sync_every=1 equality), a sync at each epoch's end after a partial period, and none at an
+epoch's end that falls on a sync. The reference
 trains a plain Keras copy on the same batches (no strategy) and applies the outer rule in
 NumPy, in Keras's SGD form: m = 0.9 m - 0.7 g; w = anchor + 0.9 m - 0.7 g.
 """
@@ -33,27 +35,37 @@ with strategy.scope():
     model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
 initial = [w.copy() for w in model.get_weights()]
 model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)  # 10 steps an epoch
+model.fit(x[:72], y[:72], batch_size=8, epochs=1, shuffle=False, verbose=0)  # 9: ends on a sync
 
 reference = build()
 reference.set_weights(initial)
 reference.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
 anchor = [w.copy() for w in initial]
 outer_m = [np.zeros_like(w) for w in initial]
-syncs = 0
-for _epoch in range(2):
-    since = 0
-    for step in range(10):
+
+
+def outer_step():
+    global anchor
+    new = []
+    for k, w in enumerate(reference.get_weights()):
+        g = anchor[k] - w
+        outer_m[k] = np.float32(0.9) * outer_m[k] - np.float32(0.7) * g
+        new.append(anchor[k] + np.float32(0.9) * outer_m[k] - np.float32(0.7) * g)
+    reference.set_weights(new)
+    anchor = [w.copy() for w in new]
+
+
+since = syncs = 0
+for steps in (10, 10, 9):  # the three epochs above
+    for step in range(steps):
         reference.train_on_batch(x[8 * step : 8 * step + 8], y[8 * step : 8 * step + 8])
         since += 1
-        if since == 3 or step == 9:  # every 3 steps, and at the epoch's end
+        if since == 3:  # every 3 steps
+            outer_step()
             since, syncs = 0, syncs + 1
-            new = []
-            for k, w in enumerate(reference.get_weights()):
-                g = anchor[k] - w
-                outer_m[k] = np.float32(0.9) * outer_m[k] - np.float32(0.7) * g
-                new.append(anchor[k] + np.float32(0.9) * outer_m[k] - np.float32(0.7) * g)
-            reference.set_weights(new)
-            anchor = [w.copy() for w in new]
+    if since:  # and at an epoch's end after a partial period (only then)
+        outer_step()
+        since, syncs = 0, syncs + 1
 errors = [
     float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-12))
     for a, b in zip(model.get_weights(), reference.get_weights(), strict=True)
