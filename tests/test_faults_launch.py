@@ -224,7 +224,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
-GRANDCHILD = "import os, time; {setsid}print('{tag}', os.getpid(), flush=True); time.sleep(600)"
+# One write(2) per line: print() with PYTHONUNBUFFERED=1 writes "TAG", " ", "PID", "\n" apart,
+# and the two grandchildren's lines interleaved on the shared pipe ("GROUPSESSION 5303").
+GRANDCHILD = "import os, time; {setsid}os.write(1, b'{tag} %d\\n' % os.getpid()); time.sleep(600)"
 
 
 @pytest.mark.timeout(120)
