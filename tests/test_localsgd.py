@@ -163,3 +163,16 @@ def test_the_outer_nesterov_step_is_dilocos_rule_written_out(tmp_path):
     assert result["syncs"] == 11 and result["outer_iterations"] == 11, result  # 4, 4, 3
     assert result["since_sync"] == 0, result
     assert max(result["errors"]) < TOLERANCE, result
+
+
+@pytest.mark.cluster
+def test_diloco_on_two_workers_is_the_algorithm_written_out(cluster_run):
+    # Each worker steps on its half of every global batch; every 3 steps (and at the epoch's
+    # end) the average's change is stepped by SGD(0.7, momentum=0.9, nesterov=True).
+    _, reports, arrays, plain, _ = cluster_run
+    reference = _series(plain, "diloco2")
+    assert reference
+    for i, a in enumerate(arrays):
+        errs = relative_errors(_series(a, "diloco2"), reference)
+        assert max(errs) <= TOLERANCE, (i, errs)
+        assert reports[i]["diloco2"] == {"since_sync": 0, "outer_iterations": 8}, reports[i]

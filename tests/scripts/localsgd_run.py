@@ -17,6 +17,9 @@ Scenarios:
     digits  scikit-learn digits: CollectiveAllReduce, then DiLoCo (outer Nesterov), same
             examples seen; test accuracy of each
     resume  DiLoCo with sync_slots: 4 epochs straight, and 2 + a BackupAndRestore resume to 4
+    diloco2 DiLoCo (outer Nesterov), sync_every=3, SGD momentum: both workers' weights, against
+            the algorithm written out (--plain: two plain Keras models on the workers'
+            halves of every global batch, averaged and stepped by the outer rule in NumPy)
 """
 
 import argparse
@@ -29,12 +32,13 @@ import numpy as np
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
 parser.add_argument("--plain", action="store_true")
-parser.add_argument("--only", default="sync1,sync8,bytes,digits,resume")
+parser.add_argument("--only", default="sync1,sync8,bytes,digits,resume,diloco2")
 args = parser.parse_args()
 wanted = args.only.split(",")
 
 GLOBAL_BATCH = 24
 DIGITS_EPOCHS, DIGITS_BATCH, DIGITS_SYNC = 8, 64, 8
+DILOCO2_SYNC, DILOCO2_STEPS = 3, 10  # 10 steps an epoch: syncs after 3, 6, 9 and at the end
 
 if not args.plain:
     import tfstrat
@@ -86,6 +90,34 @@ if args.plain:
         model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
         for i, w in enumerate(model.trainable_weights):
             out[f"sync1/w{i}"] = w.numpy()
+    if "diloco2" in wanted:  # worker i steps on rows [i * 12, i * 12 + 12) of each batch
+        x, y = data(GLOBAL_BATCH * DILOCO2_STEPS, seed=4)
+        half = GLOBAL_BATCH // 2
+        workers = [compile_model(build_model(), optimizer("sgdm", densify=True)) for _ in "ab"]
+        anchor = [w.numpy() for w in workers[0].trainable_weights]
+        outer_m = [np.zeros_like(a) for a in anchor]
+        since = 0
+        for _epoch in range(2):
+            for step in range(DILOCO2_STEPS):
+                for i, m in enumerate(workers):
+                    lo = step * GLOBAL_BATCH + i * half
+                    m.train_on_batch(x[lo : lo + half], y[lo : lo + half])
+                since += 1
+                if since < DILOCO2_SYNC and step < DILOCO2_STEPS - 1:
+                    continue
+                since, new = 0, []
+                for k, a in enumerate(anchor):  # Keras's SGD(0.7, momentum=0.9, nesterov=True)
+                    mean = (workers[0].trainable_weights[k].numpy()
+                            + workers[1].trainable_weights[k].numpy()) / np.float32(2)  # fmt: skip
+                    g = a - mean
+                    outer_m[k] = np.float32(0.9) * outer_m[k] - np.float32(0.7) * g
+                    new.append(a + np.float32(0.9) * outer_m[k] - np.float32(0.7) * g)
+                anchor = new
+                for m in workers:
+                    for w, a in zip(m.trainable_weights, new, strict=True):
+                        w.assign(a)
+        for i, a in enumerate(anchor):
+            out[f"diloco2/w{i}"] = a
     if "sync8" in wanted:
         model = build_bn()
         model.load_weights(os.path.join(args.out, "sync8.weights.h5"))
@@ -223,6 +255,17 @@ if "resume" in wanted:
     }
 
 lap("resume")
+if "diloco2" in wanted:
+    strategy = strategy_for(sync_every=DILOCO2_SYNC, outer_optimizer="diloco")
+    x, y = data(GLOBAL_BATCH * DILOCO2_STEPS, seed=4)
+    with strategy.scope():
+        model = compile_model(build_model(), optimizer("sgdm"))
+    model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+    for i, w in enumerate(model.trainable_weights):
+        arrays[f"diloco2/w{i}"] = w.numpy()
+    report["diloco2"] = strategy.sync_state(model)
+
+lap("diloco2")
 np.savez(os.path.join(args.out, f"{task}.npz"), **arrays)
 with open(os.path.join(args.out, f"{task}.json"), "w") as f:
     json.dump(report, f, indent=1)
