@@ -186,9 +186,10 @@ def main(argv=None) -> int:
                 if run.get("args", {}).get(key) != saved.get("args", {}).get(key):
                     raise SystemExit(f"{path}: {key} differs from the first run's; not merged")
             for other in run["rows"]:
-                row = by_name.setdefault(other["row"], dict(other, seeds={}))
-                if row not in rows:
-                    rows.append(row)
+                if other["row"] not in by_name:  # a row the first run did not have
+                    by_name[other["row"]] = dict(other, seeds={})
+                    rows.append(by_name[other["row"]])
+                row = by_name[other["row"]]
                 repeated = set(row["seeds"]) & set(_by_seed(other))
                 if repeated:
                     raise SystemExit(f"{path}: seed(s) {sorted(repeated)} of {other['row']} "
@@ -238,7 +239,7 @@ def main(argv=None) -> int:
                 row["results"] = {}
             multihost.measure(rows, seeded, nets, links, args, _describe)
             for row in rows:
-                row.setdefault("seeds", {})[seed] = row.pop("results")
+                row["seeds"][seed] = row.pop("results")
     text = table(rows, links, args, machine)
     multihost.write(args.out, "localsgd", text, links, rows, machine, args)
     return 0

@@ -76,6 +76,18 @@ def compile_model(model, opt, **kw):
     return model
 
 
+def diloco_outer_step(anchor, momentum, weights) -> list:
+    """DiLoCo's outer step written out: Keras's SGD(0.7, momentum=0.9, nesterov=True) on the
+    pseudo-gradient anchor - weights (float32). Updates `momentum` in place; returns the new
+    weights, which are also the next anchor."""
+    new = []
+    for k, (a, w) in enumerate(zip(anchor, weights, strict=True)):
+        g = a - w
+        momentum[k] = np.float32(0.9) * momentum[k] - np.float32(0.7) * g
+        new.append(a + np.float32(0.9) * momentum[k] - np.float32(0.7) * g)
+    return new
+
+
 def relative_errors(weights, reference) -> list[float]:
     """||w - w_ref|| / ||w_ref|| per variable (0 where the reference is all zeros and w equals it)."""
     errs = []

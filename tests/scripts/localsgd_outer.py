@@ -6,7 +6,7 @@ the worker's weights: the average itself is tested with two workers by test_loca
 sync_every=1 equality), a sync at each epoch's end after a partial period, and none at an
 epoch's end that falls on a sync. The reference
 trains a plain Keras copy on the same batches (no strategy) and applies the outer rule in
-NumPy, in Keras's SGD form: m = 0.9 m - 0.7 g; w = anchor + 0.9 m - 0.7 g.
+NumPy (common.diloco_outer_step).
 """
 
 import json
@@ -18,6 +18,7 @@ strategy = tfstrat.LocalSGD(sync_every=3, outer_optimizer="diloco", timeout=60)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from common import diloco_outer_step  # noqa: E402
 
 keras.utils.set_random_seed(0)
 x = np.random.default_rng(0).normal(size=(80, 4)).astype("float32")
@@ -46,13 +47,8 @@ outer_m = [np.zeros_like(w) for w in initial]
 
 def outer_step():
     global anchor
-    new = []
-    for k, w in enumerate(reference.get_weights()):
-        g = anchor[k] - w
-        outer_m[k] = np.float32(0.9) * outer_m[k] - np.float32(0.7) * g
-        new.append(anchor[k] + np.float32(0.9) * outer_m[k] - np.float32(0.7) * g)
-    reference.set_weights(new)
-    anchor = [w.copy() for w in new]
+    anchor = diloco_outer_step(anchor, outer_m, reference.get_weights())
+    reference.set_weights(anchor)
 
 
 since = syncs = 0

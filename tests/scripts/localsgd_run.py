@@ -47,7 +47,7 @@ if not args.plain:
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from common import build_model, compile_model, data, optimizer  # noqa: E402
+from common import build_model, compile_model, data, diloco_outer_step, optimizer  # noqa: E402
 
 
 def build_bn():
@@ -105,16 +105,12 @@ if args.plain:
                 since += 1
                 if since < DILOCO2_SYNC and step < DILOCO2_STEPS - 1:
                     continue
-                since, new = 0, []
-                for k, a in enumerate(anchor):  # Keras's SGD(0.7, momentum=0.9, nesterov=True)
-                    mean = (workers[0].trainable_weights[k].numpy()
-                            + workers[1].trainable_weights[k].numpy()) / np.float32(2)  # fmt: skip
-                    g = a - mean
-                    outer_m[k] = np.float32(0.9) * outer_m[k] - np.float32(0.7) * g
-                    new.append(a + np.float32(0.9) * outer_m[k] - np.float32(0.7) * g)
-                anchor = new
+                since = 0
+                mean = [(a.numpy() + b.numpy()) / np.float32(2)
+                        for a, b in zip(*(m.trainable_weights for m in workers), strict=True)]  # fmt: skip
+                anchor = diloco_outer_step(anchor, outer_m, mean)
                 for m in workers:
-                    for w, a in zip(m.trainable_weights, new, strict=True):
+                    for w, a in zip(m.trainable_weights, anchor, strict=True):
                         w.assign(a)
         for i, a in enumerate(anchor):
             out[f"diloco2/w{i}"] = a

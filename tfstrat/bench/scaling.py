@@ -13,6 +13,7 @@ import logging
 from collections.abc import Sequence
 
 from tfstrat.bench import _report
+from tfstrat.bench._worker import HELD_OUT
 
 logger = logging.getLogger(__name__)
 WORKER = "tfstrat.bench._worker"
@@ -213,7 +214,7 @@ def table(rows: Sequence[dict], c: ScalingConfig) -> str:
         "(LocalSGD, which averages the weights every N steps instead of the gradients every "
         "step) train on learnable labels (noise over a colour per image, labelled by a fixed random "
         "linear map of the colour) and "
-        "report accuracy on 8,192 held-out images after the run."
+        f"report accuracy on {HELD_OUT:,} held-out images after the run."
     )
     return _report.markdown(headers, body) + "\n" + notes
 
