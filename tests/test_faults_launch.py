@@ -220,7 +220,7 @@ def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is as good as dead
-    except FileNotFoundError:
+    except OSError:  # no such file, or ESRCH when the process goes between open() and read()
         return False
 
 
