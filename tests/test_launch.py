@@ -77,7 +77,7 @@ def test_first_failure_stops_everyone_promptly():
     )
     code, out, elapsed = _run(LaunchConfig([PY, "-c", script], workers=2, timeout=100, grace=2))
     assert code == 3, out
-    assert elapsed < 30, out
+    assert elapsed < 60, out  # far below the 100 s timeout and the 120 s sleep
     assert "worker:1 failed first (exit code 3)" in out
     assert "worker one fails now" in out.rsplit("failed first", 1)[1]  # in the final box
 
@@ -87,7 +87,7 @@ def test_timeout_stops_everything_with_124():
     code, out, elapsed = _run(LaunchConfig([PY, "-c", script], workers=2, timeout=3, grace=1))
     assert code == 124, out
     assert "timed out after 3 s" in out
-    assert elapsed < 30
+    assert elapsed < 60  # far below the 120 s sleep
 
 
 def _bindable(address):
@@ -180,7 +180,7 @@ def test_cli_names_the_failed_task_and_returns_its_code():
         timeout=100,
     )
     assert proc.returncode == 3, proc.stdout + proc.stderr
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < 60  # far below the 120 s sleep
     assert "worker:1 failed first" in proc.stdout
 
 

@@ -312,7 +312,8 @@ def _second_loopback():
 
 def _start_nodes(tmp_path, layout_args, script_args, marker):
     _second_loopback()
-    nodes = f"127.0.0.1:{_free_base(6)},127.0.0.2:{_free_base(6)}"
+    base = _free_base(12)  # one range for both nodes: two picks could overlap (0.0.0.0 binds)
+    nodes = f"127.0.0.1:{base},127.0.0.2:{base + 6}"
     env = dict(os.environ, TFSTRAT_TEST_RUN=marker, TF_CPP_MIN_LOG_LEVEL="2")
     for name in [n for n in env if n.startswith("SLURM_")]:
         del env[name]

@@ -4,6 +4,7 @@ job is in this machine's network namespace, and training still works. Read from 
 task's socket inodes (/proc/PID/fd) matched against the listening sockets of its namespace
 (/proc/PID/net/tcp{,6}) and of this test's (/proc/self/net/tcp{,6})."""
 
+import contextlib
 import ipaddress
 import json
 import os
@@ -83,8 +84,12 @@ def _job_listeners(marker, listening=True):
     the job's tasks, as their own network namespace shows them."""
     found = []
     for pid, (task, _) in _tasks(marker).items():
-        mine = _sockets(f"/proc/{pid}/net", listening)
-        for inode in _socket_inodes(pid) & set(mine):
+        try:
+            mine = _sockets(f"/proc/{pid}/net", listening)
+            inodes = _socket_inodes(pid)
+        except OSError:  # a helper process of the task (e.g. its start-up watchdog) that ended
+            continue
+        for inode in inodes & set(mine):
             found.append((task, pid, *mine[inode], inode))
     return found
 
@@ -169,7 +174,10 @@ def test_private_network_keeps_every_listener_out_of_the_hosts_namespace(tmp_pat
         listeners = _job_listeners(marker)
         host = _sockets("/proc/self/net")
         here = os.readlink("/proc/self/ns/net")
-        namespaces = {os.readlink(f"/proc/{pid}/ns/net") for pid in tasks}
+        namespaces = set()
+        for pid in tasks:
+            with contextlib.suppress(OSError):  # a helper process that ended meanwhile
+                namespaces.add(os.readlink(f"/proc/{pid}/ns/net"))
     finally:
         out = _finish(tmp_path, thread, result)
     assert "every task runs in a new network namespace with only loopback (lo) up" in out, out

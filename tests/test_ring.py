@@ -14,9 +14,17 @@ from tfstrat.reduce import ring
 
 
 def _rings(n, timeout=10.0, host="127.0.0.1"):
+    """n connected rings whose calls time out after `timeout`; the connect itself has 30 s, so
+    a short `timeout` on a busy machine does not fail the set-up instead of the call."""
     listeners = [ring.listen(host) for _ in range(n)]
     addresses = [_ports.join(host, s.getsockname()[1]) for s in listeners]
-    return _on_threads(lambda i: ring.Ring(i, addresses, listeners[i], timeout), n)
+    rings, errors = _on_threads(lambda i: ring.Ring(i, addresses, listeners[i], 30.0), n)
+    assert not any(errors), errors
+    for r in rings:
+        r.timeout = timeout
+        for s in {r._next, r._prev}:
+            s.settimeout(timeout)
+    return rings, errors
 
 
 def _on_threads(fn, n):

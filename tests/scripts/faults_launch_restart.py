@@ -18,7 +18,10 @@ with open(os.path.join(out, "attempts.txt"), "a") as f:
     f.write(f"{attempt} {task} {os.environ['TF_CONFIG']}\n")
 print(f"attempt {attempt} of {task}", flush=True)
 if task == "worker:1":
-    time.sleep(0.5)  # worker 0 is up and running when worker 1 fails
+    deadline = time.monotonic() + 30  # worker 0 is up and running when worker 1 fails
+    while f"{attempt} worker:0 " not in open(os.path.join(out, "attempts.txt")).read():
+        assert time.monotonic() < deadline, "worker 0 did not start within 30 s"
+        time.sleep(0.05)
     if mode == "usage":
         print("usage: faults_launch_restart.py OUT MODE", flush=True)
         sys.exit(2)
