@@ -4,6 +4,7 @@ Rows (2 workers, `tfstrat bench scaling`'s small CNN on learnable labels, SGD wi
   B-2       CollectiveAllReduce (gradients all-reduced every step)
   L-2-sN    LocalSGD, plain averaging every N steps (N = 1, 4, 16)
   D-2-s16   LocalSGD with DiLoCo's outer Nesterov step, every 16 steps
+  *-wide    the same on a link-bound MLP; D-2-s16-lrX-wide: DiLoCo with outer lr X, not 0.7
 Each row: examples/s (median of the timed epochs), bytes this worker sent per step (on its
 sockets for LocalSGD; what CollectiveAllReduce hands its ring, by ring arithmetic, for B-2),
 and accuracy on 8,192 held-out images after the same number of examples, once per seed
@@ -51,6 +52,8 @@ ROWS = [  # (row, model, label, worker strategy, workload, ps tasks): multihost'
     ("B-2-wide", "wide MLP", "CollectiveAllReduce", "collective", WIDE, 0),
     ("L-2-s16-wide", "wide MLP", "LocalSGD, sync every 16", "localsgd-16", WIDE, 0),
     ("D-2-s16-wide", "wide MLP", "DiLoCo (outer Nesterov), sync every 16", "diloco-16", WIDE, 0),
+    ("D-2-s16-lr0.5-wide", "wide MLP", "DiLoCo, outer lr 0.5", "diloco-16-lr0.5", WIDE, 0),
+    ("D-2-s16-lr1.0-wide", "wide MLP", "DiLoCo, outer lr 1.0", "diloco-16-lr1.0", WIDE, 0),
 ]
 
 
@@ -216,6 +219,9 @@ def main(argv=None) -> int:
     machine = _report.machine()
     wanted = args.rows.split(",")
     specs = {r[0]: r for r in ROWS}
+    unknown = [name for name in wanted if name not in specs]
+    if unknown:
+        raise SystemExit(f"Received: --rows with {unknown}. Choose rows from {list(specs)}.")
     rows = [
         {"row": r[0], "label": r[2], "workers": args.workers, "results": {}, "seeds": {}}
         for r in ROWS

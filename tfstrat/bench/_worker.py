@@ -5,7 +5,8 @@ Run by the benchmark drivers through `tfstrat launch`, one per task:
 
 Strategies: "none" (no strategy), "mirrored" (MirroredNCCL), "collective"
 (CollectiveAllReduce), "ps-sync" / "ps-async" (ParameterServer), "hybrid", "localsgd-N"
-(LocalSGD, sync every N steps), "diloco-N" (LocalSGD with DiLoCo's outer Nesterov step), and
+(LocalSGD, sync every N steps), "diloco-N" (LocalSGD with DiLoCo's outer Nesterov step;
+"diloco-N-lrX": its outer learning rate X instead of 0.7), and
 the stock peers "tfkeras-none", "tfkeras-mirrored", "tfkeras-mwms"
 (tf-keras, TF_USE_LEGACY_KERAS=1) and "keras3-mwms" (stock MWMS under Keras 3).
 """
@@ -65,8 +66,11 @@ def _strategy(tf, name: str, devices: int):
     if name.startswith(("localsgd-", "diloco-")):
         import tfstrat
 
-        kind, every = name.split("-")
+        kind, every, *lr = name.split("-")
         outer = "diloco" if kind == "diloco" else None
+        if kind == "diloco" and lr:  # a config, not a Keras optimizer: no TF op before this
+            sgd = {"learning_rate": float(lr[0][2:]), "momentum": 0.9, "nesterov": True}
+            outer = {"class_name": "SGD", "config": sgd}
         return tfstrat.LocalSGD(sync_every=int(every), outer_optimizer=outer, timeout=120)
     if name in ("ps-sync", "ps-async"):
         import tfstrat
