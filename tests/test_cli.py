@@ -86,3 +86,12 @@ def test_devices_table(capsys):
 def test_launch_without_command_is_usage_error(capsys):
     assert main(["launch", "--workers", "2"]) == 2
     assert "command" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    from importlib import metadata
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out.strip() == f"tfstrat {metadata.version('tfstrat')}"

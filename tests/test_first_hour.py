@@ -207,3 +207,35 @@ def test_doctor_fails_naming_a_peer_that_does_not_answer(live_cluster, monkeypat
     assert "start its task" in out
     assert out.splitlines()[-1] == "tfstrat doctor: 1 check(s) failed"
     assert time.monotonic() - start < 60  # a refused connection is not waited for
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    "mode, message",
+    [
+        (
+            "no_scope",
+            "ValueError: Received: model.fit of 'sequential', built outside `strategy.scope()` "
+            "while CollectiveAllReduce runs 2 workers. Each worker would train alone",
+        ),
+        (
+            "late",
+            "RuntimeError: tfstrat: CollectiveAllReduce was created after this process had run "
+            "TensorFlow ops",
+        ),
+    ],
+)
+def test_a_model_outside_the_scope_or_before_the_strategy_is_refused_naming_the_fix(mode, message):
+    # Forgetting the scope trained each worker alone, silently; a late strategy ended in
+    # TensorFlow's "Collective ops must be configured at program startup" and no fix.
+    proc = _launch(
+        "--workers", "2", "--threads-per-task", "1", "--timeout", "150", "--show", "all",
+        "--", PY, "tests/scripts/first_hour_mistakes.py", mode,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-4000:]
+    assert "trained, which it must not" not in out
+    # The first worker's error (the launcher stops the other, which may not get as far).
+    assert message in out, out[-4000:]
+    assert "with strategy.scope():" in out

@@ -372,10 +372,20 @@ def _node_flags(g) -> None:
     )
 
 
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("tfstrat")
+    except metadata.PackageNotFoundError:  # run from a checkout that is not installed
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tfstrat", description="Distribution strategies for TensorFlow 2 and Keras 3."
     )
+    parser.add_argument("--version", action="version", version=f"tfstrat {_version()}")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     p = sub.add_parser("devices", help="what this host has: CPUs, GPUs (NCCL?), TPU")

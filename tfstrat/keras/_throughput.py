@@ -262,6 +262,9 @@ def install() -> None:
 
     def __init__(self, callbacks=None, add_history=False, add_progbar=False, model=None, **params):
         if add_history and model is not None:  # fit's list; evaluate's and predict's have none
+            from tfstrat.strategies import _common
+
+            _common.check_fit_in_scope(model)  # not this module's matter, but fit's one hook
             callbacks = _with_throughput(callbacks, model)
         keras_init(self, callbacks, add_history, add_progbar, model, **params)
 

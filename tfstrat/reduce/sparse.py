@@ -125,7 +125,8 @@ class DensityPolicy:
         if slices.values.ref() in _lazy_values:
             dense, why = (
                 False,
-                "a table with sparse_updates='lazy': densified, its step would change",
+                "a table with sparse_updates='lazy': its lazy update needs the rows; a dense "
+                "gradient would change its step",
             )
         elif rows is None or vocab is None:
             dense, why = self.threshold == 0.0, "shape unknown until run time"

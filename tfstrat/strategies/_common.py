@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import tensorflow as tf
@@ -251,3 +252,31 @@ def exact_logs_for_empty_slices(model) -> None:
 
     tracker.update_state = update_state
     tracker._tfstrat_exact = True
+
+
+# --- A fit outside every strategy's scope ----------------------------------------------------
+
+_multi_worker = weakref.WeakSet()  # the live tfstrat strategies of 2 or more workers
+
+
+def note_multi_worker(strategy) -> None:
+    """Remembers a strategy of 2+ workers, so that `check_fit_in_scope` can refuse a `fit` of a
+    model built outside its scope."""
+    _multi_worker.add(strategy)
+
+
+def check_fit_in_scope(model) -> None:
+    """Refuses `model.fit` of a model built outside every strategy's scope while a tfstrat
+    strategy of 2+ workers lives in this process: each worker would train alone, on all of
+    its data, and the workers would end with different weights without a word."""
+    strategy = next(iter(_multi_worker), None)
+    if strategy is None or getattr(model, "_distribute_strategy", None) is not None:
+        return
+    if tf.distribute.has_strategy():  # fit inside some scope: Keras's own checks apply
+        return
+    raise ValueError(
+        f"Received: model.fit of {model.name!r}, built outside `strategy.scope()` while "
+        f"{type(strategy).__name__} runs {strategy.num_workers} workers. Each worker would "
+        "train alone and end with different weights. Build and compile the model inside "
+        "`with strategy.scope():` (the strategy first, then the model)."
+    )

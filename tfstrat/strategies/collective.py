@@ -279,9 +279,21 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
         _saving.install()  # model.save on every worker: the chief writes
         with _startup.watchdog(tf_config, None if reused else timeout):
             # MWMS.__init__ hard-codes its extended class; this is its body with ours.
-            distribute_lib.Strategy.__init__(
-                self, _Extended(self, resolver, options, count, self.density)
-            )
+            try:
+                distribute_lib.Strategy.__init__(
+                    self, _Extended(self, resolver, options, count, self.density)
+                )
+            except RuntimeError as e:
+                if "at program startup" not in str(e):
+                    raise
+                raise RuntimeError(
+                    f"tfstrat: {type(self).__name__} was created after this process had run "
+                    "TensorFlow ops (TensorFlow: 'Collective ops must be configured at program "
+                    "startup'). Create the strategy first, before building a model, a dataset, "
+                    "a Keras optimizer or a tf.Variable: `strategy = tfstrat."
+                    f"{type(self).__name__}(...)` (or `tfstrat.auto()`) at the top of the "
+                    "script, then the model inside `with strategy.scope():`."
+                ) from e
             if tcp:
                 t = timeout or DEFAULT_TIMEOUT
                 ring_ = _reuse.ring(lambda: self._connect_ring(t), t)
@@ -299,6 +311,7 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
             **(_agree_on or {}),
         }
         if self.extended._num_workers > 1:
+            _common.note_multi_worker(self)  # a fit outside its scope is refused
             self._stop = _stopping.StopAgreement(self._epoch_sum, _task_name(tf_config))
             self._agree(_agreement.describe(tf_config, (), self._agreement_options))
         logger.info(

@@ -33,7 +33,7 @@ from tfstrat.ps import variables as psvars
 from tfstrat.ps.connect import Heartbeat, connect, task_name
 from tfstrat.ps.sync import SyncReplicas
 from tfstrat.reduce.sparse import dedup
-from tfstrat.strategies import _exact_step, _reuse
+from tfstrat.strategies import _common, _exact_step, _reuse
 from tfstrat.strategies._shuffle import seed_shuffles
 
 logger = logging.getLogger(__name__)
@@ -233,6 +233,8 @@ class ParameterServer(distribute_lib.Strategy):
         # Before any variable: tasks with other clusters would place variables elsewhere and
         # wait for each other's variables until their timeouts.
         self._agree("cluster", _agreement.describe(tf_config, (), self._options), "cluster")
+        if workers > 1:
+            _common.note_multi_worker(self)  # a fit outside its scope is refused
         self.sync = None
         if mode == "sync":
             self.sync = SyncReplicas(
