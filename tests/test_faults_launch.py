@@ -258,8 +258,9 @@ def test_grandchildren_die_with_a_killed_launcher():
     finally:
         launcher.kill()
         for p in pids.values():
-            with contextlib.suppress(OSError):
-                os.kill(p, signal.SIGKILL)
+            with contextlib.suppress(OSError):  # gone between the check and the kill
+                if _alive(p):
+                    os.kill(p, signal.SIGKILL)
 
 
 # Item 12: blame the right task (TensorFlow clusters).

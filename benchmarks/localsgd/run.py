@@ -162,7 +162,9 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rate", default="1gbit", help="tc tbf rate of the limited network")
-    parser.add_argument("--rows", default=",".join(r[0] for r in ROWS))
+    parser.add_argument(  # the outer-lr sweep's rows only when asked for
+        "--rows", default=",".join(r[0] for r in ROWS if "-lr" not in r[0])
+    )
     parser.add_argument("--networks", default="loopback,limited")
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--link-mb", type=int, default=300, help="MB sent to measure the link")

@@ -68,7 +68,11 @@ def _strategy(tf, name: str, devices: int):
 
         kind, every, *lr = name.split("-")
         outer = "diloco" if kind == "diloco" else None
-        if kind == "diloco" and lr:  # a config, not a Keras optimizer: no TF op before this
+        if lr:  # "diloco-16-lr0.5"; a config, not a Keras optimizer: no TF op before this
+            if kind != "diloco" or len(lr) != 1 or not lr[0].startswith("lr"):
+                raise ValueError(
+                    f"Received: strategy={name!r}. Use diloco-N-lrX, e.g. diloco-16-lr0.5."
+                )
             sgd = {"learning_rate": float(lr[0][2:]), "momentum": 0.9, "nesterov": True}
             outer = {"class_name": "SGD", "config": sgd}
         return tfstrat.LocalSGD(sync_every=int(every), outer_optimizer=outer, timeout=120)

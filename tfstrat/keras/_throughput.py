@@ -264,7 +264,7 @@ def install() -> None:
         if add_history and model is not None:  # fit's list; evaluate's and predict's have none
             from tfstrat.strategies import _common
 
-            _common.check_fit_in_scope(model)  # not this module's matter, but fit's one hook
+            _common.warn_fit_outside_scope(model)  # not this module's matter: fit's one hook
             callbacks = _with_throughput(callbacks, model)
         keras_init(self, callbacks, add_history, add_progbar, model, **params)
 

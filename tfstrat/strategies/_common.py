@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Sequence
 
@@ -11,6 +12,7 @@ from tfstrat import _runtime
 from tfstrat.strategies import _exact_step
 
 _Impl = tf.distribute.experimental.CommunicationImplementation
+logger = logging.getLogger(__name__)
 
 
 def communication_implementation(communication: str, devices: Sequence[str]) -> _Impl:
@@ -254,29 +256,38 @@ def exact_logs_for_empty_slices(model) -> None:
     tracker._tfstrat_exact = True
 
 
-# --- A fit outside every strategy's scope ----------------------------------------------------
+# --- A fit of a model built outside the strategy's scope -------------------------------------
 
 _multi_worker = weakref.WeakSet()  # the live tfstrat strategies of 2 or more workers
+_warned = weakref.WeakSet()  # models warned about (once each)
 
 
 def note_multi_worker(strategy) -> None:
-    """Remembers a strategy of 2+ workers, so that `check_fit_in_scope` can refuse a `fit` of a
-    model built outside its scope."""
+    """Remembers a strategy of 2+ workers, so that `warn_fit_outside_scope` can name a `fit`
+    of a model built outside its scope."""
     _multi_worker.add(strategy)
 
 
-def check_fit_in_scope(model) -> None:
-    """Refuses `model.fit` of a model built outside every strategy's scope while a tfstrat
-    strategy of 2+ workers lives in this process: each worker would train alone, on all of
-    its data, and the workers would end with different weights without a word."""
+def warn_fit_outside_scope(model) -> None:
+    """Warns (once per model) when `model.fit` trains a model built outside every strategy's
+    scope while a tfstrat strategy of 2+ workers lives in this process: each worker then trains
+    it alone and the workers end with different weights. A warning, not an error: training a
+    model on one worker on purpose (a reference on the chief, a per-worker probe) is fine."""
     strategy = next(iter(_multi_worker), None)
     if strategy is None or getattr(model, "_distribute_strategy", None) is not None:
         return
-    if tf.distribute.has_strategy():  # fit inside some scope: Keras's own checks apply
+    current = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+    if current is not None and current not in _multi_worker:  # another strategy's scope
         return
-    raise ValueError(
-        f"Received: model.fit of {model.name!r}, built outside `strategy.scope()` while "
-        f"{type(strategy).__name__} runs {strategy.num_workers} workers. Each worker would "
-        "train alone and end with different weights. Build and compile the model inside "
-        "`with strategy.scope():` (the strategy first, then the model)."
+    if model in _warned:
+        return
+    _warned.add(model)
+    logger.warning(
+        "tfstrat: model.fit of %r, a model built outside `strategy.scope()`, while %s runs %d "
+        "workers: each worker trains it alone, and the workers will end with different "
+        "weights. To train it across the workers, build and compile it inside `with "
+        "strategy.scope():` (the strategy first, then the model).",
+        model.name,
+        type(strategy).__name__,
+        strategy.num_workers,
     )

@@ -311,7 +311,7 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
             **(_agree_on or {}),
         }
         if self.extended._num_workers > 1:
-            _common.note_multi_worker(self)  # a fit outside its scope is refused
+            _common.note_multi_worker(self)  # a fit outside its scope is warned about
             self._stop = _stopping.StopAgreement(self._epoch_sum, _task_name(tf_config))
             self._agree(_agreement.describe(tf_config, (), self._agreement_options))
         logger.info(

@@ -234,7 +234,7 @@ class ParameterServer(distribute_lib.Strategy):
         # wait for each other's variables until their timeouts.
         self._agree("cluster", _agreement.describe(tf_config, (), self._options), "cluster")
         if workers > 1:
-            _common.note_multi_worker(self)  # a fit outside its scope is refused
+            _common.note_multi_worker(self)  # a fit outside its scope is warned about
         self.sync = None
         if mode == "sync":
             self.sync = SyncReplicas(
