@@ -323,6 +323,11 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
             "tcp ring (dense), TensorFlow ring (the rest)" if tcp else implementation.name.lower(),
             timeout,
         )
+        if tf_config is None:  # e.g. `python train.py` where `tfstrat launch` was meant
+            logger.info(
+                "tfstrat: no TF_CONFIG, so this process is the only worker; for more, run it "
+                "under `tfstrat launch --workers N -- python ...` (or set TF_CONFIG per task)"
+            )
 
     def _connect_ring(self, timeout: float) -> ring.Ring:
         """Every worker listens on its tfstrat port (TF_CONFIG port + 1) at its own address
