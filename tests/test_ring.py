@@ -21,9 +21,7 @@ def _rings(n, timeout=10.0, host="127.0.0.1"):
     rings, errors = _on_threads(lambda i: ring.Ring(i, addresses, listeners[i], 30.0), n)
     assert not any(errors), errors
     for r in rings:
-        r.timeout = timeout
-        for s in {r._next, r._prev}:
-            s.settimeout(timeout)
+        r.set_timeout(timeout)
     return rings, errors
 
 

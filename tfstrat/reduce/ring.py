@@ -122,6 +122,12 @@ class Ring:
             self._wait_sent()
         return np.concatenate(blocks, axis=0)
 
+    def set_timeout(self, timeout: float) -> None:
+        """Every later send and receive may take up to `timeout` seconds."""
+        self.timeout = timeout
+        for s in (self._next, self._prev):
+            s.settimeout(timeout)
+
     def close(self):
         for s in (self._next, self._prev):
             try:

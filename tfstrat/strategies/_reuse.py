@@ -84,9 +84,7 @@ def ring(connect, timeout: float):
     assert _cluster is not None, "enter() first"
     existing = _cluster.ring
     if existing is not None and getattr(existing, "_error", None) is None:
-        existing.timeout = timeout
-        for sock in (existing._next, existing._prev):
-            sock.settimeout(timeout)
+        existing.set_timeout(timeout)
         return existing
     _cluster.ring = connect()
     return _cluster.ring
