@@ -127,6 +127,13 @@ def test_line_filter_names_what_it_hides():
         "will not be used."
     )
     assert not shown.shows("E0000 00:00:1.2  7 cuda_platform.cc:52] failed call to cuInit: X")
+    # Printed twice by every task on CPUs where oneDNN's kernels are on by default.
+    assert not shown.shows(
+        "I0000 00:00:1795595832.833073    2107 port.cc:153] oneDNN custom operations are on. "
+        "You may see slightly different numerical results due to floating-point round-off "
+        "errors from different computation orders. To turn them off, set the environment "
+        "variable `TF_ENABLE_ONEDNN_OPTS=0`."
+    )
     assert not shown.shows("WARNING:absl:Changing the value of option auto_shard_policy from A")
     assert shown.shows("WARNING:absl:something else")
     assert shown.shows("tfstrat: layer 'e' is a keras.layers.Embedding: ...")

@@ -45,6 +45,12 @@ NOISE_LINES: tuple[tuple[str, re.Pattern], ...] = (
         re.compile(r"cudart_stub\.cc:\d+\] Could not find cuda drivers on your machine"),
     ),
     (
+        "oneDNN's notice that its CPU kernels are on (TensorFlow 2.21 prints it before its C++ "
+        "logging starts, on CPUs where the kernels are on by default); setting "
+        "TF_ENABLE_ONEDNN_OPTS=0 instead would change speed and rounding",
+        re.compile(r"port\.cc:\d+\] oneDNN custom operations are on"),
+    ),
+    (
         "tf.data's note that the auto_shard_policy changed: tfstrat shards the input itself "
         "and says how in its own line",
         re.compile(r"WARNING:absl:Changing the value of option auto_shard_policy"),
@@ -53,7 +59,7 @@ NOISE_LINES: tuple[tuple[str, re.Pattern], ...] = (
 # Hidden only after the same task said it found no CUDA driver: then cuInit cannot succeed.
 # On a machine with a driver, a failing cuInit is a real problem, and is shown.
 _CUINIT = re.compile(r"\] failed call to cuInit: ")
-_NO_DRIVER = NOISE_LINES[1][1]
+_NO_DRIVER = next(p for why, p in NOISE_LINES if "no CUDA driver" in why)
 
 # Python log records hidden by `install`: (logger, why, the message's pattern).
 NOISE_RECORDS: tuple[tuple[str, str, re.Pattern], ...] = (
