@@ -49,7 +49,7 @@ def split(address: str) -> tuple[str, int]:
 
 
 def join(host: str, port: int) -> str:
-    """"host:port", with brackets around an IPv6 address (else its colons would read as the
+    """ "host:port", with brackets around an IPv6 address (else its colons would read as the
     port separator)."""
     return f"[{host}]:{port}" if _is_ipv6(host) else f"{host}:{port}"
 

@@ -62,10 +62,12 @@ def differences(run: dict, ref: dict) -> tuple[float, float, list[str]]:
     return dw, max(diffs.values(), default=0.0), [name for _, name in worst[:2]]
 
 
-def compare(out: str, pattern: str, kind: str, weights_only: bool = False) -> dict:
+def compare(
+    out: str, pattern: str, kind: str, weights_only: bool = False, reference: str = "none"
+) -> dict:
     """What the table and the tests read: {"cell", "weights", "metrics", "per_metric",
-    "tasks"}."""
-    ref = load(out, pattern, "none").get("main")
+    "tasks"}, against the run of `reference` (a no-strategy kind)."""
+    ref = load(out, pattern, reference).get("main")
     runs = load(out, pattern, kind)
     base = {"weights": None, "metrics": None, "tasks": sorted(runs)}
     if not isinstance(ref, dict):

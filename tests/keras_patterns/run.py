@@ -21,10 +21,23 @@ SPLIT = {"mirrored": 2, "stock-mirrored": 2}
 CLUSTERS = {
     "collective": (2, 0),
     "hybrid": (2, 1),
+    "hybrid-nops": (2, 0),
+    "localsgd": (2, 0),
     "ps": (2, 1),
     "stock-mwms": (2, 0),
 }
-STRATEGIES = ("none", "mirrored", "collective", "hybrid", "ps", "stock-mirrored", "stock-mwms")
+STRATEGIES = (
+    "none",
+    "none-dense",
+    "mirrored",
+    "collective",
+    "hybrid",
+    "hybrid-nops",
+    "localsgd",
+    "ps",
+    "stock-mirrored",
+    "stock-mwms",
+)
 TIMEOUT = 60  # every collective and ps wait of the strategies (seconds)
 
 
@@ -37,12 +50,17 @@ def make_strategy(kind: str):
         tfstrat.split_cpu(SPLIT[kind])
     if kind == "none":
         return None
+    if kind == "none-dense":
+        densify_sparse_gradients()
+        return None
     if kind == "mirrored":
         return tfstrat.MirroredNCCL(timeout=TIMEOUT)
     if kind == "collective":
         return tfstrat.CollectiveAllReduce(timeout=TIMEOUT)
-    if kind == "hybrid":
+    if kind in ("hybrid", "hybrid-nops"):
         return tfstrat.Hybrid(timeout=TIMEOUT)
+    if kind == "localsgd":  # equals one device with plain SGD only
+        return tfstrat.LocalSGD(sync_every=1, timeout=TIMEOUT)
     if kind == "ps":
         return tfstrat.ParameterServer(mode="sync", timeout=TIMEOUT)
     import tensorflow as tf
@@ -55,6 +73,23 @@ def make_strategy(kind: str):
     raise ValueError(f"Received: strategy={kind!r}. Use one of {', '.join(STRATEGIES)}.")
 
 
+def densify_sparse_gradients() -> None:
+    """One device, every optimizer given dense gradients: the reference where Adam-like
+    optimizers meet an Embedding's repeated ids. Keras 3's own sparse Adam squares each
+    repeat of a row separately; tfstrat sums a row's repeats first (its replicas' rows must
+    be summed anyway), which is the dense gradient's step (README, "Sparse gradients")."""
+    import tensorflow as tf
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+
+    keras_apply = BaseOptimizer.apply
+
+    def apply(self, grads, trainable_variables=None):
+        grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+        return keras_apply(self, grads, trainable_variables)
+
+    BaseOptimizer.apply = apply
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 3:
         print(__doc__, file=sys.stderr)
@@ -64,11 +99,14 @@ def main(argv: list[str]) -> int:
     import numpy as np
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from ecosystem import PATTERNS as ECOSYSTEM
     from patterns import PATTERNS, Context
 
-    unknown = [n for n in names if n not in PATTERNS]
+    known = {**PATTERNS, **ECOSYSTEM}
+
+    unknown = [n for n in names if n not in known]
     if unknown:
-        raise ValueError(f"Received: patterns {unknown}. Known: {', '.join(PATTERNS)}.")
+        raise ValueError(f"Received: patterns {unknown}. Known: {', '.join(known)}.")
     task = os.environ.get("TFSTRAT_TASK", "main").replace(":", "")
     for name in names:
         where = os.path.join(out, name)
@@ -76,7 +114,7 @@ def main(argv: list[str]) -> int:
         base = os.path.join(where, f"{kind}.{task}")
         ctx = Context(strategy, kind, os.path.join(where, f"{kind}.work"))
         try:
-            result = PATTERNS[name](ctx)
+            result = known[name](ctx)
         except BaseException as e:  # noqa: BLE001 - every failure is a table cell
             traceback.print_exc()
             line = f"{type(e).__name__}: {e}".strip().splitlines()

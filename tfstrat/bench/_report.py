@@ -44,7 +44,9 @@ def with_tuned_peers(rows: list[tuple]) -> list[tuple]:
         out.append(row)
         if not str(row[2]).startswith(TFSTRAT_STRATEGIES) and row[0] != "P-all":
             rid, label, *middle, env = row
-            out.append((f"{rid}t", f"{label}, tuned (BFC allocator)", *middle, {**(env or {}), **TUNED}))
+            out.append(
+                (f"{rid}t", f"{label}, tuned (BFC allocator)", *middle, {**(env or {}), **TUNED})
+            )
     return out
 
 

@@ -209,7 +209,7 @@ def table(rows: Sequence[dict], c: ScalingConfig) -> str:
         f"{m.get('gpus')} GPUs, TensorFlow {m.get('tensorflow')}, Keras {m.get('keras')}. "
         "Speed-ups and efficiency use examples/s; efficiency(W) = ex/s(W) / (W x ex/s(B-1)); "
         "efficiency vs P-1 = ex/s / (W x ex/s(P-1)), which also counts what a strategy costs "
-        "on one core. Rows ending in t (\"tuned\") run the stock row again with the CPU "
+        'on one core. Rows ending in t ("tuned") run the stock row again with the CPU '
         "allocator tfstrat gives its own tasks (TF_CPU_ALLOCATOR_USE_BFC=true). Rows B and L "
         "(LocalSGD, which averages the weights every N steps instead of the gradients every "
         "step) train on learnable labels (noise over a colour per image, labelled by a fixed random "

@@ -102,7 +102,15 @@ def run(config: SparseConfig) -> list[dict]:
         )
         row.update(result, machine=machine, table_bytes=vocab * config.dim * 4)
         speed = f"{row['examples_per_s']:,.0f} ex/s" if "examples_per_s" in row else row["error"]
-        logger.info("[%d/%d] %s %s, %s rows: %s", i, len(plan), row["row"], row["label"], f"{vocab:,}", speed)
+        logger.info(
+            "[%d/%d] %s %s, %s rows: %s",
+            i,
+            len(plan),
+            row["row"],
+            row["label"],
+            f"{vocab:,}",
+            speed,
+        )
         rows.append(row)
     for vocab in vocabs(config):  # ratios within one table size
         group = [r for r in rows if r["vocab"] == vocab]
@@ -173,7 +181,7 @@ def table(rows, c: SparseConfig) -> str:
         f"Threads: {rows[0]['threads'] if rows else '?'} in each of TensorFlow's pools per process (row P-all: "
         f"{m.get('cpus')}). Machine: {m.get('cpus')} CPUs, TensorFlow "
         f"{m.get('tensorflow')}, Keras {m.get('keras')}. Efficiency vs P-1 = ex/s / "
-        "(workers x ex/s(P-1)). Rows ending in t (\"tuned\") run the stock row again with the "
+        '(workers x ex/s(P-1)). Rows ending in t ("tuned") run the stock row again with the '
         "CPU allocator tfstrat gives its own tasks (TF_CPU_ALLOCATOR_USE_BFC=true). Peak RSS: "
         "worker 0's; ps peak RSS: the Hybrid table server's process (the largest ps task)."
     )

@@ -48,10 +48,14 @@ def install() -> None:
             # gdb; about one evaluate in 50 on 2 workers), and the batch's cross-worker mean
             # is one more collective per fit/evaluate/predict.
             return None
-        if strategy is not None and _is_tfstrat(strategy) and _needs_help(self):
+        if strategy is not None and _is_tfstrat(strategy):
             if data_batch is None and iterator is not None:
+                # Keras would average the replicas' first batches (`strategy.reduce("MEAN")`)
+                # only to read their shapes: AddN has no kernel for bool and string inputs
+                # (keras-hub's padding masks, raw text), and fails on slices of different
+                # sizes. One replica's slice has the shapes.
                 data_batch, iterator = _first_batch(strategy, iterator), None
-            if data_batch is not None:
+            if data_batch is not None and _needs_help(self):
                 prepare(self, strategy, data_batch)
         return keras_build(self, iterator=iterator, data_batch=data_batch)
 
@@ -101,21 +105,35 @@ def _needs_help(model) -> bool:
 
 
 def _first_batch(strategy, iterator):
-    """The first batch's local tensors (what Keras's symbolic build reads for its shapes)."""
+    """The first batch as one replica's tensors (what Keras's symbolic build reads for its
+    shapes): the replica with the most rows. When even that one has none (a worker's slice of
+    a batch smaller than the workers), specs with an unknown batch size instead."""
     import tensorflow as tf
     from keras.src import tree
 
+    batch = None
     for _, _, it in iterator:
         batch = next(it)
-        return tree.map_structure(
-            lambda v: (
-                strategy.experimental_local_results(v)[0]
-                if isinstance(v, tf.distribute.DistributedValues)
-                else v
-            ),
-            batch,
-        )
-    return None
+        break
+    if batch is None:
+        return None
+    local = strategy.experimental_local_results
+    ranked = [
+        v
+        for v in tree.flatten(batch)
+        if isinstance(v, tf.distribute.DistributedValues) and len(local(v)[0].shape)
+    ]
+    rows = [int(c.shape[0] or 0) for c in local(ranked[0])] if ranked else [1]
+    replica = rows.index(max(rows))
+
+    def pick(v):
+        if isinstance(v, tf.distribute.DistributedValues):
+            v = local(v)[replica]
+        if max(rows) == 0 and tf.is_tensor(v) and len(v.shape):
+            return tf.TensorSpec([None, *v.shape[1:]], v.dtype)
+        return v
+
+    return tree.map_structure(pick, batch)
 
 
 def prepare(model, strategy, data_batch) -> None:

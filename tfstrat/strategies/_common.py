@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from tfstrat import _runtime
-from tfstrat.strategies import _exact_step
+from tfstrat.strategies import _compute, _exact_step
 
 _Impl = tf.distribute.experimental.CommunicationImplementation
 logger = logging.getLogger(__name__)
@@ -133,6 +133,13 @@ class AdoptsKerasOptimizers:
             from tfstrat.strategies import _stats  # BatchNormalization's moving statistics
 
             fn = _stats.averaging(self, fn, model)
+        if getattr(fn, "__name__", "") in ("test_step", "predict_step") and model is not None:
+            # No forward pass on 0 rows; XLA on each replica (`_compute`).
+            apart = _compute.can_skip(model)
+            skip = apart and self.num_replicas_in_sync > 1
+            jit = apart and getattr(model, "_tfstrat_jit", False)
+            if skip or jit:
+                fn = _compute.replica_fn(fn, model, skip, jit)
         return super().run(fn, args=args, kwargs=kwargs, options=options)
 
 

@@ -33,6 +33,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfstrat.reduce import sparse
+from tfstrat.strategies import _compute
 
 
 class _Step(threading.local):
@@ -46,18 +47,6 @@ class _Step(threading.local):
 
 
 _step = _Step()
-
-
-def _rows_of(args, kwargs):
-    """The batch's rows, as Keras's loss tracker counts them: the first input's first axis."""
-    for t in tf.nest.flatten((args, kwargs), expand_composites=False):
-        if isinstance(t, tf.RaggedTensor):
-            return tf.cast(t.nrows(), tf.int32)
-        if isinstance(t, tf.SparseTensor):
-            return tf.cast(t.dense_shape[0], tf.int32)
-        if tf.is_tensor(t) and t.shape.rank:
-            return tf.shape(t)[0]
-    return None
 
 
 def _is_keras_default_train_step(fn) -> bool:
@@ -106,22 +95,39 @@ def replica_step(model, fn):
     default = _is_keras_default_train_step(fn) and hasattr(model.optimizer, "apply_gradients")
     if default:
         defer_apply(model.optimizer)
+    # A replica's computation apart (`_compute`): Keras's own train_step, no collective inside.
+    apart = default and _compute.can_skip(model)
+
+    def run(*args, **kwargs):
+        fn(*args, **kwargs)
+        return _step.pending
 
     @functools.wraps(fn)
     def step(*args, **kwargs):
-        _step.rows, _step.scaled = _rows_of(args, kwargs), False
+        _step.rows, _step.scaled = _compute.rows_of((args, kwargs)), False
         _step.pending = [] if default else None
         _step.metrics = _step.states = None
+        context = tf.distribute.get_replica_context()
+        skip = apart and _step.rows is not None and context is not None
+        skip = skip and context.num_replicas_in_sync > 1
+        jit = apart and getattr(model, "_tfstrat_jit", False)
         try:
-            logs = fn(*args, **kwargs)
-            pending, _step.pending = _step.pending, None
+            if skip or jit:  # no forward pass on 0 rows; XLA without the exchange
+                logs = None
+                pending = _compute.gradients(
+                    lambda: run(*args, **kwargs), _step.rows if skip else None, jit
+                )
+                _step.pending = None
+            else:
+                logs = fn(*args, **kwargs)
+                pending, _step.pending = _step.pending, None
             if not pending:  # a custom train_step, or no trainable weights
-                return logs
+                return logs if logs is not None else _logs(model, [], [])
             _step.metrics = _foldable(model)
             for apply_gradients, grads_and_vars in pending:
                 apply_gradients(grads_and_vars)
             if _step.states is None:  # not reduced (no replica context, no gradient)
-                return logs
+                return logs if logs is not None else _logs(model, [], [])
             return _logs(model, _step.metrics, _step.states)
         finally:
             _step.rows = _step.pending = _step.metrics = _step.states = None

@@ -100,9 +100,11 @@ def seed_shuffles(set_global_seed: bool = True) -> None:
     from tfstrat.keras import (
         _build,  # every tfstrat strategy's other Keras hook (keras.io's GAN)
         _throughput,
+        _xla,
     )
 
     _build.install()
+    _xla.install()  # jit_compile=True compiles each replica's computation, not the exchange
     _throughput.install()  # examples/s on the progress bar and in History (TFSTRAT_THROUGHPUT=0)
 
 

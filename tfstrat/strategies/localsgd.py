@@ -108,7 +108,11 @@ def _outer_config(outer_optimizer):
             )
         return {"class_name": outer_optimizer["class_name"], **outer_optimizer}
     config = outer_optimizer.get_config()
-    return {"class_name": type(outer_optimizer).__name__, "config": config, "_object": outer_optimizer}
+    return {
+        "class_name": type(outer_optimizer).__name__,
+        "config": config,
+        "_object": outer_optimizer,
+    }
 
 
 def _local(variable):

@@ -108,22 +108,3 @@ class MirroredNCCL(_common.AdoptsKerasOptimizers, tf.distribute.MirroredStrategy
                 options=plain,
             )
         return _common.name_empty_input(distributed)
-
-    def reduce(self, reduce_op, value, axis=None):
-        op = tf.distribute.ReduceOp(reduce_op.upper()) if isinstance(reduce_op, str) else reduce_op
-        local = self.experimental_local_results
-        if op == tf.distribute.ReduceOp.MEAN and axis is None and _unequal_slices(value, local):
-            # Keras 3.15's symbolic build reduces its first data batch only for its shapes;
-            # stock adds the replicas' slices up (AddN), which fails when the global batch
-            # does not split evenly (30 rows over 4 replicas: 8, 8, 8 and 6).
-            return tf.nest.map_structure(lambda v: local(v)[0], value)
-        return super().reduce(reduce_op, value, axis)
-
-
-def _unequal_slices(value, local) -> bool:
-    """Whether some per-replica value of `value` has components of different shapes."""
-    for v in tf.nest.flatten(value):
-        if isinstance(v, tf.distribute.DistributedValues):
-            if len({tuple(c.shape) for c in local(v)}) > 1:
-                return True
-    return False

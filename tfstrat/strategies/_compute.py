@@ -1,0 +1,132 @@
+"""Each replica's own computation in a step (forward, backward, metric updates), apart from
+the exchange between replicas: skipped on a replica that has no rows, compiled by XLA under
+`jit_compile=True`.
+
+**A replica with no rows runs no forward pass.** When a batch has fewer rows than there are
+replicas (the last batch of a dataset whose size is not a multiple of the batch, a small
+validation split, an unknown-length TFRecord dataset), some replicas get a slice of 0 rows.
+Many models cannot run on 0 rows: TensorFlow 2.21's oneDNN kernels (on by default on CPUs with
+AVX-512) give a Conv2D of an empty batch its input's shape, so the next BatchNormalization or
+residual `Add` fails ("Incompatible shapes: [0,72,72,3] vs. [32]"), and keras.io's image
+classification and TFRecord examples stop at their first small batch, under stock
+tf.distribute too. So each replica's step is a `tf.cond` on its rows: with rows, the step as
+written; without, no forward pass, and what the step would have given, counted exactly:
+
+- `train_step` (Keras's own, whose `apply_gradients` `_exact_step` defers): zero gradients,
+  which the step's all-reduce weighs by 0 rows; no metric update (a metric adds nothing for 0
+  rows). The all-reduce stays outside the `cond`, so every replica joins it.
+- `test_step`: no metric update; the metrics' current results.
+- `predict_step`: outputs of 0 rows, of the dtypes and trailing shapes the replicas with rows
+  produce.
+
+**XLA.** Keras compiles its whole step function with `jit_compile=True`, and under a strategy
+that function holds every replica and the exchange: XLA cannot compile tfstrat's TCP
+all-reduce (a `PyFunc`), nor variables of several devices in one cluster. Under tfstrat, Keras
+builds its step without XLA (`tfstrat.keras._xla`), and each replica's computation above is
+compiled by XLA on its own device; the all-reduce and the optimizer's update run after it,
+outside the compiled part.
+
+Neither applies to models with `BatchNormalization(synchronized=True)` (its all-reduce runs
+inside the forward pass, and every replica must join it: their empty replicas run the forward
+pass on 0 rows, as before, and their steps are not compiled), nor to custom `train_step`s
+(their all-reduce is inside the step; they are not compiled either).
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+
+def can_skip(model) -> bool:
+    """Whether `model`'s forward pass holds no collective of its own (a replica may skip it)."""
+    flatten = getattr(model, "_flatten_layers", None)
+    layers = flatten() if flatten else ()
+    return not any(getattr(layer, "synchronized", False) is True for layer in layers)
+
+
+def rows_of(args) -> tf.Tensor | None:
+    """The batch's rows: the first input's first axis (as Keras's loss tracker counts them)."""
+    for t in tf.nest.flatten(args, expand_composites=False):
+        if isinstance(t, tf.RaggedTensor):
+            return tf.cast(t.nrows(), tf.int32)
+        if isinstance(t, tf.SparseTensor):
+            return tf.cast(t.dense_shape[0], tf.int32)
+        if tf.is_tensor(t) and t.shape.rank:
+            return tf.shape(t)[0]
+    return None
+
+
+def gradients(run, rows=None, jit: bool = False) -> list:
+    """`run()` traces a step and returns its deferred `apply_gradients` calls,
+    `[(apply, [(grad, var), ...]), ...]`; returns the same calls with each gradient computed
+    by XLA (`jit`) and, when `rows` is given, zero gradients without running the step where
+    `rows == 0`."""
+    if tf.executing_eagerly():  # run_eagerly=True: tf.cond would trace one branch only
+        return run()
+    box: dict = {}
+
+    def compute():
+        pending = run()
+        box["pending"] = pending
+        return [g for _, pairs in pending for g, _ in pairs if g is not None] or [tf.zeros([])]
+
+    def skip():  # traced after `compute` (cond_v2 traces the true branch first)
+        grads = [(g, v) for _, pairs in box["pending"] for g, v in pairs if g is not None]
+        return [_zeros_like(g, v) for g, v in grads] or [tf.zeros([])]
+
+    computed = tf.function(compute, jit_compile=True, autograph=False) if jit else compute
+    flat = iter(tf.cond(rows > 0, computed, skip) if rows is not None else computed())
+    out = []
+    for apply, pairs in box["pending"]:
+        out.append((apply, [(g if g is None else next(flat), v) for g, v in pairs]))
+    return out
+
+
+def _zeros_like(grad, variable):
+    if isinstance(grad, tf.IndexedSlices):
+        row = grad.values.shape[1:]
+        if not row.is_fully_defined():
+            row = tf.TensorShape(variable.shape)[1:]
+        return tf.IndexedSlices(
+            tf.zeros([0, *row], grad.values.dtype),
+            tf.zeros([0], grad.indices.dtype),
+            tf.constant(list(variable.shape), grad.dense_shape.dtype)
+            if grad.dense_shape is not None
+            else None,
+        )
+    shape = grad.shape if grad.shape.is_fully_defined() else tf.TensorShape(variable.shape)
+    return tf.zeros(shape, grad.dtype)
+
+
+def replica_fn(fn, model, skip: bool, jit: bool):
+    """`fn` (a model's bound `test_step` or `predict_step`), compiled by XLA (`jit`) and, when
+    `skip`, in a `tf.cond` on the rows."""
+    predict = getattr(fn, "__name__", "") == "predict_step"
+    computed = tf.function(fn, jit_compile=True, autograph=False) if jit else fn
+
+    def step(*args, **kwargs):
+        rows = rows_of((args, kwargs)) if skip else None
+        if tf.executing_eagerly():
+            return fn(*args, **kwargs)
+        if rows is None:
+            return computed(*args, **kwargs)
+        box: dict = {}
+
+        def compute():
+            outputs = computed(*args, **kwargs)
+            box["outputs"] = outputs
+            return outputs
+
+        def nothing():  # traced after `compute`
+            if not predict:
+                return model.get_metrics_result()
+            # An unknown trailing size (a sequence's length) becomes 0.
+            zeros = [
+                tf.zeros([0, *(d or 0 for d in t.shape[1:])], t.dtype)
+                for t in tf.nest.flatten(box["outputs"])
+            ]
+            return tf.nest.pack_sequence_as(box["outputs"], zeros)
+
+        return tf.cond(rows > 0, compute, nothing)
+
+    return step
