@@ -209,9 +209,10 @@ class Network:
         for ns in self.namespaces:
             while True:
                 out = _run(IP, "-n", ns, "-6", "addr", "show", "dev", "eth0").stdout
-                if "tentative" not in out and "state UP" in _run(
-                    IP, "-n", ns, "link", "show", "eth0"
-                ).stdout:
+                if (
+                    "tentative" not in out
+                    and "state UP" in _run(IP, "-n", ns, "link", "show", "eth0").stdout
+                ):
                     break
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{ns}: eth0 not up after {timeout} s: {out}")
@@ -344,9 +345,7 @@ class Network:
             )
         return proc.stdout
 
-    def wait(
-        self, tasks: Sequence[Task], timeout: float, background: Sequence[Task] = ()
-    ) -> None:
+    def wait(self, tasks: Sequence[Task], timeout: float, background: Sequence[Task] = ()) -> None:
         """Waits until every one of `tasks` has exited 0; kills them all (and `background`, e.g.
         ps servers) when one fails or `timeout` seconds pass, and raises TaskError with every
         task's output. `background` tasks are killed once `tasks` are done."""

@@ -24,7 +24,9 @@ def test_scaling_quick_writes_the_table(tmp_path, capsys):
         assert r["examples_per_s"] > 0 and r["machine"]["cpus"] >= 1
         assert r["global_batch"] == 8 * r["total_devices"]
     b2 = rows[ids.index("B-2")]
-    assert b2["efficiency_P1"] == pytest.approx(b2["examples_per_s"] / (2 * rows[0]["examples_per_s"]))
+    assert b2["efficiency_P1"] == pytest.approx(
+        b2["examples_per_s"] / (2 * rows[0]["examples_per_s"])
+    )
     assert "efficiency vs P-1" in (tmp_path / "scaling.md").read_text()
     table = (tmp_path / "scaling.md").read_text()
     assert "| B-2 | CollectiveAllReduce | 2 | 1 | 2 |" in table

@@ -161,7 +161,9 @@ def test_a_ps_whose_table_port_is_taken_fails_at_start_naming_it():
         finally:
             proc.kill()
     assert proc.returncode == 1, out[-3000:]
-    expected = f"ps:0: its table server (TF_CONFIG port + 1) cannot listen on {host}:{int(port) + 1}"
+    expected = (
+        f"ps:0: its table server (TF_CONFIG port + 1) cannot listen on {host}:{int(port) + 1}"
+    )
     assert expected in out, out[-3000:]
 
 

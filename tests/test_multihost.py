@@ -245,10 +245,34 @@ def test_multi_node_launcher_once_per_host(net, reference, tmp_path):
     launchers = [
         net.start(
             rank,
-            [sys.executable, "-m", "tfstrat", "launch", "--nodes", nodes, "--node-rank",
-             str(rank), "--workers-per-node", "2", "--ps-per-node", "1,0", "--port", str(PORT),
-             "--threads-per-task", "1", "--timeout", str(TASK_TIMEOUT), "--show", "all", "--",
-             sys.executable, "multihost_train.py", str(tmp_path), "--model", "hybrid"],
+            [
+                sys.executable,
+                "-m",
+                "tfstrat",
+                "launch",
+                "--nodes",
+                nodes,
+                "--node-rank",
+                str(rank),
+                "--workers-per-node",
+                "2",
+                "--ps-per-node",
+                "1,0",
+                "--port",
+                str(PORT),
+                "--threads-per-task",
+                "1",
+                "--timeout",
+                str(TASK_TIMEOUT),
+                "--show",
+                "all",
+                "--",
+                sys.executable,
+                "multihost_train.py",
+                str(tmp_path),
+                "--model",
+                "hybrid",
+            ],
             env={"PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2"},
             name=f"launcher node {rank}",
             cwd=SCRIPTS,
@@ -260,9 +284,7 @@ def test_multi_node_launcher_once_per_host(net, reference, tmp_path):
     results = [dict(np.load(tmp_path / f"worker_{i}.npz")) for i in range(4)]
     _check(results, reference, "hybrid", log)
     # The same cluster on both nodes, and the table on node 0's ps at its port + 1.
-    cluster = (
-        '{"worker":["node0:2222","node0:2224","node1:2222","node1:2224"],"ps":["node0:2226"]}'
-    )
+    cluster = '{"worker":["node0:2222","node0:2224","node1:2222","node1:2224"],"ps":["node0:2226"]}'
     for rank, names in ((0, "worker:0, worker:1, ps:0"), (1, "worker:2, worker:3")):
         line = f"node {rank} (node{rank}) of 2 nodes starts {names}; cluster {cluster}"
         assert line in launchers[rank].output(limit=10**6), log

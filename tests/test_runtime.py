@@ -41,7 +41,10 @@ CASES = {
 def probes():
     procs = {
         name: subprocess.Popen(
-            [PY, PROBE, *args], env=_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            [PY, PROBE, *args],
+            env=_env(**env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
         )
         for name, (args, env) in CASES.items()

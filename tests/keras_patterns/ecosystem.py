@@ -366,6 +366,9 @@ def hub_save_resume(ctx):
     again = keras.models.load_model(own)
     differences = [np.abs(a - b).max() for a, b in zip(again.get_weights(), restored.get_weights())]
     logs["own_file/max_difference"] = float(max(differences))
+    # One more collective: the chief (which never waits for a save) stays until every worker
+    # has read its outcome.
+    logs["evaluate_after_save/loss"] = restored.evaluate(x, y, batch_size=BATCH, verbose=0)
     return result(restored, logs)
 
 

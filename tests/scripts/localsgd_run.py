@@ -184,8 +184,13 @@ if "bytes" in wanted:
             model = build_mlp(inputs=256, hidden=256)
             model.compile(optimizer=keras.optimizers.SGD(0.01), loss=keras.losses.
                           SparseCategoricalCrossentropy(from_logits=True))  # fmt: skip
-        model.fit(x[:GLOBAL_BATCH * 16], y[:GLOBAL_BATCH * 16], batch_size=GLOBAL_BATCH,
-                  shuffle=False, verbose=0)  # fmt: skip  (traces; ends synced)
+        model.fit(
+            x[: GLOBAL_BATCH * 16],
+            y[: GLOBAL_BATCH * 16],
+            batch_size=GLOBAL_BATCH,
+            shuffle=False,
+            verbose=0,
+        )  # fmt: skip  (traces; ends synced)
         before = sum(tcp_bytes())
         model.fit(x, y, batch_size=GLOBAL_BATCH, shuffle=False, verbose=0)
         sent[str(every)] = (sum(tcp_bytes()) - before) / 32

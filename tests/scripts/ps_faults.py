@@ -38,7 +38,9 @@ import tensorflow as tf  # noqa: E402
 by_file = tf.data.Options()
 by_file.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.FILE
 try:
-    strategy.experimental_distribute_dataset(tf.data.Dataset.range(8).batch(4).with_options(by_file))
+    strategy.experimental_distribute_dataset(
+        tf.data.Dataset.range(8).batch(4).with_options(by_file)
+    )
     file_policy_error = None
 except ValueError as e:
     file_policy_error = str(e)

@@ -1,26 +1,31 @@
-"""`model.save` / `save_weights` called on every worker of a multi-worker strategy: one writer.
+"""`model.save` / `save_weights` called on every worker of a multi-worker strategy.
 
 Keras 3.15's savers know nothing of workers: under a multi-worker strategy every worker writes
 the same file at once, and a later `load_model` may read a torn zip (`BadZipFile`); stock
 `keras.callbacks.ModelCheckpoint` on a shared path races the same way. Every worker must still
 run the save, because reading some variables is a collective (Keras's metric variables are
-on-read synchronised: their value is an all-reduce), so tfstrat wraps Keras's two savers:
+on-read synchronised: their value is an all-reduce), so tfstrat wraps Keras's two savers. The
+rule: **when the workers' k-th saves name the same absolute path, only the chief writes it;
+otherwise each worker writes its own file.**
 
 - the chief (worker 0, or the chief task) writes the file under a temporary name in the same
   directory, flushes it to disk and renames it over the final name (tfstrat's callbacks'
-  `_publish`): a reader sees the previous file or the new one, never part of one;
-- the other workers write into a private temporary directory, removed at once: nothing visible;
-- the chief then hands in its outcome (TensorFlow's coordination service; under
-  `ParameterServer`, ps 0) and goes on; another worker's save waits for the chief's outcome
-  of the same save (its k-th save of that path), so when `save` returns there, the chief's
-  file is in place and `load_model` of it reads what was just saved (on a file system they
-  share). A chief that failed makes the others raise, naming it; a chief that never saves
-  makes them fail after the strategy's `timeout`, naming it. The chief never waits: code
-  that saves on the chief only works as before.
+  `_publish`): a reader sees the previous file or the new one, never part of one; it then
+  hands in its outcome and the path it wrote (TensorFlow's coordination service; under
+  `ParameterServer`, ps 0) and goes on. The chief never waits: code that saves on the chief
+  only works as before.
+- another worker saves into a private temporary directory and waits for the chief's outcome
+  of the same save (its k-th save, whatever the path). Same path: its own copy is dropped,
+  and when `save` returns the chief's file is in place, so `load_model` of it reads what was
+  just saved (on a file system they share). Another path (Keras's multi-worker guide has
+  non-chief workers save to temporary directories of their own): its copy is published at
+  its own path, atomically. A chief that failed to write the shared path makes the others
+  raise, naming it; a chief that never saves makes them fail after the strategy's `timeout`,
+  naming it.
 
 Saves into a directory (`zipped=False`) and sharded weights (`max_shard_size`) are several
-files: the chief writes them in place (not atomically), the others nowhere, with the same
-synchronisation. A model outside any multi-worker strategy saves as Keras does.
+files: the chief writes them in place (not atomically), another worker moves its copies to its
+own path when the paths differ. A model outside any multi-worker strategy saves as Keras does.
 """
 
 from __future__ import annotations
@@ -107,11 +112,11 @@ def _save(original, kind, model, filepath, overwrite=True, *args, **kwargs):
     # save_model(..., zipped) / save_weights(..., max_shard_size): the argument after overwrite.
     extra = args[0] if args else kwargs.get("zipped" if kind == "save_model" else "max_shard_size")
     several = extra is False if kind == "save_model" else extra is not None
+    if not strategy.extended.should_checkpoint:
+        return _save_elsewhere(strategy, original, model, final, overwrite, several, args, kwargs)
     error = None
     try:
-        if not strategy.extended.should_checkpoint:
-            _save_nowhere(original, model, final, overwrite, args, kwargs)
-        elif several or final.startswith("hf://"):
+        if several or final.startswith("hf://"):
             original(model, filepath, overwrite, *args, **kwargs)
         else:
             _save_atomically(original, model, final, overwrite, args, kwargs)
@@ -123,12 +128,7 @@ def _save(original, kind, model, filepath, overwrite=True, *args, **kwargs):
 
 
 def _save_atomically(original, model, final, overwrite, args, kwargs):
-    if not overwrite and os.path.exists(final):
-        raise FileExistsError(
-            f"Received: filepath={final!r} with overwrite=False, and it exists. Workers of a "
-            "multi-worker strategy cannot be asked interactively: pass overwrite=True or "
-            "another path."
-        )
+    _refuse_overwrite(final, overwrite)
     tmp = _temporary(final)
     try:
         original(model, tmp, True, *args, **kwargs)
@@ -137,13 +137,51 @@ def _save_atomically(original, model, final, overwrite, args, kwargs):
         _unlink(tmp)
 
 
-def _save_nowhere(original, model, final, overwrite, args, kwargs):
-    """A non-chief's save: the same reads (some are collectives) into a file nobody sees."""
+def _refuse_overwrite(final: str, overwrite: bool) -> None:
+    if not overwrite and os.path.exists(final):
+        raise FileExistsError(
+            f"Received: filepath={final!r} with overwrite=False, and it exists. Workers of a "
+            "multi-worker strategy cannot be asked interactively: pass overwrite=True or "
+            "another path."
+        )
+
+
+def _save_elsewhere(strategy, original, model, final, overwrite, several, args, kwargs):
+    """A non-chief's save: the same reads (some are collectives) into a private directory;
+    then its copy is dropped (the chief wrote the same path) or published at its own path."""
     scratch = tempfile.mkdtemp(prefix="tfstrat-save-")
+    error = None
     try:
-        original(model, os.path.join(scratch, os.path.basename(final)), True, *args, **kwargs)
+        try:
+            original(model, os.path.join(scratch, os.path.basename(final)), True, *args, **kwargs)
+        except Exception as e:  # the chief's outcome is still awaited: saves stay paired
+            error = e
+        shared = _synchronise(strategy, final, error)
+        if error is not None:
+            raise error
+        if not shared:
+            _refuse_overwrite(final, overwrite)
+            _move_out(scratch, final, several)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _move_out(scratch: str, final: str, several: bool) -> None:
+    """The files saved in `scratch` at `final` (one file: atomically)."""
+    if not several:
+        tmp = _temporary(final)
+        try:
+            shutil.copyfile(os.path.join(scratch, os.path.basename(final)), tmp)
+            _publish(tmp, final)
+        finally:
+            _unlink(tmp)
+        return
+    where = os.path.dirname(os.path.abspath(final))
+    for name in os.listdir(scratch):  # a directory (zipped=False) or a weights file's shards
+        target = os.path.join(where, name)
+        if os.path.isdir(target) and not os.path.islink(target):
+            shutil.rmtree(target)
+        shutil.move(os.path.join(scratch, name), target)
 
 
 def _task_names(strategy) -> list[str]:
@@ -156,10 +194,11 @@ def _task_names(strategy) -> list[str]:
     return names
 
 
-def _synchronise(strategy, final: str, error: BaseException | None) -> None:
-    """One-sided: the chief hands in its outcome and goes on; another worker waits for the
-    chief's outcome of the same save (its k-th save of this path) and raises if it failed.
-    The chief never waits, so code that saves on the chief only keeps working."""
+def _synchronise(strategy, final: str, error: BaseException | None) -> bool:
+    """One-sided: the chief hands in its outcome and path and goes on; another worker waits
+    for the chief's outcome of the same save (its k-th save) and returns whether the chief
+    wrote the same absolute path (raising if it failed to). The chief never waits, so code
+    that saves on the chief only keeps working."""
     path = os.path.abspath(final)
     # Matched by count, not path: Keras's multi-worker guide has non-chiefs save to paths of
     # their own (a temporary directory each), at the same points as the chief.
@@ -168,22 +207,25 @@ def _synchronise(strategy, final: str, error: BaseException | None) -> None:
     me = names[strategy.worker_index]
     key = f"tfstrat-save-{count}"
     if strategy.worker_index == 0:
-        _hand_in(strategy, key, {"error": None if error is None else repr(error)})
-        return
+        outcome = {"error": None if error is None else repr(error), "path": path}
+        _hand_in(strategy, key, outcome)
+        return True
     try:
         chief = _chief_outcome(strategy, key, names)
     except Exception as e:
         raise RuntimeError(
             f"tfstrat: {me} saving {final}: {names[0]} did not finish its save number {count} "
             f"within {_timeout(strategy):g} s ({e}). Only {names[0]} "
-            "writes the file; when other workers save too, each must save as often as the "
-            "chief, at the same points (to any path)."
+            "writes a path every worker names; when other workers save too, each must save "
+            "as often as the chief, at the same points (to any path)."
         ) from e
-    if error is None and chief["error"] is not None:
+    shared = chief.get("path") == path
+    if shared and error is None and chief["error"] is not None:
         raise RuntimeError(
             f"tfstrat: {me}: {names[0]} failed to save {path} ({chief['error']}); "
             "its log has the traceback."
         )
+    return shared
 
 
 def _timeout(strategy) -> float:

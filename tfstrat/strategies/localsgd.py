@@ -17,12 +17,14 @@ TensorFlow collectives, agreement and stop handling. What changes is the trainin
   trainable variable, every averaged statistic (BatchNormalization's moving mean and
   variance), the inner optimizer's slots when `sync_slots=True`, and the stop flags of
   `_stopping` (a stop or SIGTERM takes effect at a sync point, where every worker holds the
-  same weights);
+  same weights); the average weighs each worker by the rows it trained on since the last
+  sync (equal shards: the plain mean), and a worker whose slice of a batch is empty runs no
+  forward pass and steps on a zero gradient;
 - the end of every epoch (before validation and the epoch's callbacks) syncs when steps were
   taken since the last sync, so checkpoints, evaluation and `predict` see one model.
 
 State that a resume needs rides in the inner optimizer's variables, so `model.save_weights`
-and tfstrat's `BackupAndRestore` keep it: the steps since the last sync, the weights at the
+and tfstrat's `BackupAndRestore` keep it: the steps and rows since the last sync, the weights at the
 last sync (with an outer optimizer) and the outer optimizer's own variables. A plain Keras
 model loads such a checkpoint's weights (its optimizer, if any, is skipped with Keras's
 warning about the variable count).
@@ -37,7 +39,7 @@ import weakref
 import tensorflow as tf
 
 from tfstrat.cluster import TFConfig
-from tfstrat.strategies import _common, _exact_step, _stats
+from tfstrat.strategies import _common, _compute, _exact_step, _stats
 from tfstrat.strategies.collective import DEFAULT_TIMEOUT, CollectiveAllReduce
 
 logger = logging.getLogger(__name__)
@@ -128,8 +130,9 @@ def _local(variable):
 class _State:
     """One inner optimizer's LocalSGD state (its variables live in the optimizer)."""
 
-    def __init__(self, since, anchors, outer, own):
+    def __init__(self, since, rows, anchors, outer, own):
         self.since = since  # steps since the last sync (int64 scalar)
+        self.rows = rows  # this worker's rows since the last sync (float32): its weight
         self.anchors = anchors  # weights at the last sync (outer optimizer only), else []
         self.outer = outer  # the outer optimizer (a copy made in the strategy's scope) or None
         self.own = own  # ids of the variables above: not the inner optimizer's slots
@@ -260,7 +263,9 @@ class LocalSGD(CollectiveAllReduce):
         with self.scope(), tf.init_scope():
             since = inner.add_variable((), initializer="zeros", dtype="int64",
                                        name="localsgd_since_sync")  # fmt: skip
-            own = [since]
+            rows = inner.add_variable((), initializer="zeros", dtype="float32",
+                                      name="localsgd_rows_since_sync")  # fmt: skip
+            own = [since, rows]
             anchors, outer = [], None
             if self._outer_spec is not None:
                 anchors = [
@@ -274,7 +279,7 @@ class LocalSGD(CollectiveAllReduce):
                 for v in outer.variables:
                     inner._track_variable(v)
                     own.append(v)
-        self._states[id(inner)] = _State(since, anchors, outer, {id(v) for v in own})
+        self._states[id(inner)] = _State(since, rows, anchors, outer, {id(v) for v in own})
         self._optimizers[id(inner)] = inner
 
     def _make_outer(self):
@@ -360,6 +365,14 @@ class LocalSGD(CollectiveAllReduce):
     def _local_step(self, model, fn, inner):
         state = self._states[id(inner)]
         every = tf.constant(self.sync_every, tf.int64)
+        # Keras's own train_step without a collective inside: its apply_gradients deferred.
+        skip = _exact_step._is_keras_default_train_step(fn) and _compute.can_skip(model)
+        if skip:
+            _exact_step.defer_apply(inner)
+
+        def run(*args, **kwargs):
+            fn(*args, **kwargs)
+            return _exact_step._step.pending
 
         def step(*args, **kwargs):
             _exact_step._step.scaled = False  # set again when Keras scales this step's loss
@@ -369,7 +382,21 @@ class LocalSGD(CollectiveAllReduce):
                     lambda: self._rebase(model, state),
                     lambda: tf.constant(0, tf.int64),
                 )
-            logs = fn(*args, **kwargs)
+            rows = _compute.rows_of((args, kwargs))
+            if rows is not None and skip and not tf.executing_eagerly():
+                # A worker with no rows runs no forward pass (`_compute`): its optimizer
+                # steps on a zero gradient (outside the tf.cond: Keras's apply merge_calls),
+                # and it has no weight in the average.
+                _exact_step._step.pending = []
+                pending = _compute.gradients(lambda: run(*args, **kwargs), rows)
+                _exact_step._step.pending = None
+                for apply_gradients, grads_and_vars in pending:
+                    apply_gradients(grads_and_vars)
+                logs = model.get_metrics_result()
+            else:
+                logs = fn(*args, **kwargs)
+            weight = tf.constant(1.0) if rows is None else tf.cast(rows, tf.float32)
+            _local(state.rows).assign_add(weight)
             since = _local(state.since)
             count = since.assign_add(1)
             tf.cond(
@@ -410,7 +437,15 @@ class LocalSGD(CollectiveAllReduce):
         if self.sync_slots:
             extras += self._slots(inner, state)
         values = [tf.convert_to_tensor(_local(v).read_value()) for v in weights + extras]
-        parts = [tf.reshape(tf.cast(t, tf.float32), [-1]) for t in values]
+        # Weighted by the rows each worker trained on since the last sync (as FedAvg weighs
+        # its clients): equal shards give the plain mean; a last batch split 1 and 0 gives
+        # one device's step with sync_every=1.
+        weight = tf.convert_to_tensor(_local(state.rows).read_value())
+        parts = [
+            tf.math.multiply_no_nan(tf.reshape(tf.cast(t, tf.float32), [-1]), weight)
+            for t in values
+        ]
+        parts.append(tf.reshape(weight, [1]))
         stop = self._stop
         if stop is not None:
             parts.append(stop.flags(tf.float32))
@@ -418,7 +453,7 @@ class LocalSGD(CollectiveAllReduce):
         if stop is not None:
             stop.agree(summed[-2:])
             summed = summed[:-2]
-        mean = summed / float(self.num_workers)
+        mean = summed[:-1] / summed[-1]
         sizes = [int(t.shape.num_elements()) for t in values]
         averaged = [
             tf.cast(tf.reshape(p, t.shape), t.dtype)
@@ -436,6 +471,7 @@ class LocalSGD(CollectiveAllReduce):
         for v, x in zip(weights + extras, new_weights + new_extras, strict=True):
             _local(v).assign(x)
         _local(state.since).assign(0)
+        _local(state.rows).assign(0.0)
         return tf.constant(1, tf.int64)
 
     def _sync_at_epoch_end(self, model):
