@@ -234,23 +234,29 @@ def raw_strings(ctx):
     return result(model, _fit_eval_predict(model, tf.constant(texts)[:, None], labels))
 
 
-def _image_classifier(synchronized: bool):
+def _image_classifier(norm: str):
     """keras.io "Image classification from scratch", scaled down: residual blocks of
-    SeparableConv2D + BatchNormalization whose shortcut is a strided Conv2D, joined by `Add`."""
+    SeparableConv2D + a normalization whose shortcut is a strided Conv2D, joined by `Add`.
+    `norm`: "batch" (keras.io's), "sync" (BatchNormalization(synchronized=True)) or "layer"."""
     import keras
     from keras import layers
+
+    def normalization():
+        if norm == "layer":
+            return layers.LayerNormalization()
+        return layers.BatchNormalization(synchronized=norm == "sync")
 
     inputs = keras.Input((16, 16, 3))
     x = layers.Rescaling(1.0 / 255)(inputs)
     # No bias before BatchNormalization: its gradient is 0, its value rounding noise.
     x = layers.Conv2D(8, 3, strides=2, padding="same", use_bias=False)(x)
-    x = layers.BatchNormalization(synchronized=synchronized)(x)
+    x = normalization()(x)
     x = layers.Activation("relu")(x)
     previous = x
     for size in (8, 16, 16):
         x = layers.Activation("relu")(x)
         x = layers.SeparableConv2D(size, 3, padding="same", use_bias=False)(x)
-        x = layers.BatchNormalization(synchronized=synchronized)(x)
+        x = normalization()(x)
         x = layers.MaxPooling2D(3, strides=2, padding="same")(x)
         residual = layers.Conv2D(size, 1, strides=2, padding="same")(previous)
         x = layers.add([x, residual])
@@ -270,6 +276,23 @@ def conv_small_last_batch(ctx):
     """The image classifier with `BatchNormalization(synchronized=True)` (unsynchronized
     statistics differ per replica by design), on a tf.data dataset of unknown length whose
     last batch holds one row, with a validation set of 3 rows (batches of 2 and 1)."""
+    return _small_last_batch(ctx, "sync")
+
+
+def conv_layernorm_small_last_batch(ctx):
+    """As `conv_small_last_batch`, with LayerNormalization: no collective in the forward
+    pass, so a replica with no rows skips it (where oneDNN's Conv2D of 0 rows fails)."""
+    return _small_last_batch(ctx, "layer")
+
+
+def conv_keras_io_small_last_batch(ctx):
+    """keras.io's own normalization (unsynchronized BatchNormalization): its replicas'
+    statistics differ from one device's by design, so what counts is that it trains,
+    evaluates and predicts every row where a replica gets none."""
+    return _small_last_batch(ctx, "batch")
+
+
+def _small_last_batch(ctx, norm: str):
     import keras
     import tensorflow as tf
 
@@ -280,7 +303,7 @@ def conv_small_last_batch(ctx):
     validation = tf.data.Dataset.from_tensor_slices((vx, vy)).batch(2)
     with ctx.scope():
         seeded()
-        model = _image_classifier(synchronized=True)
+        model = _image_classifier(norm)
         model.compile(
             optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
             loss=keras.losses.BinaryCrossentropy(from_logits=True),
@@ -381,6 +404,8 @@ PATTERNS = {
         hub_tokenizer,
         raw_strings,
         conv_small_last_batch,
+        conv_layernorm_small_last_batch,
+        conv_keras_io_small_last_batch,
         jit_compiled,
         hub_save_resume,
     )

@@ -31,13 +31,13 @@ WEIGHTS_ONLY = ("ps",)
 PER_PATTERN_SECONDS = 60  # a generous bound for one pattern's traces and steps under load
 
 
-def run_strategy(kind: str, patterns: list[str], out: str, log=None) -> None:
+def run_strategy(kind: str, patterns: list[str], out: str, log=None, env=None) -> None:
     """Runs `patterns` under `kind`, relaunching after a run that dies, until each has a
-    result or an error file."""
+    result or an error file; `env`: extra environment of every process."""
     todo = [p for p in patterns if (kind, p) not in NOT_APPLICABLE]
     attempt = 0
     while todo:
-        code, text = _run_once(kind, todo, out)
+        code, text = _run_once(kind, todo, out, env or {})
         attempt += 1
         if log is not None:
             log.write(text)
@@ -51,10 +51,11 @@ def run_strategy(kind: str, patterns: list[str], out: str, log=None) -> None:
         todo = left[1:]
 
 
-def _run_once(kind: str, patterns: list[str], out: str) -> tuple[int, str]:
+def _run_once(kind: str, patterns: list[str], out: str, extra: dict) -> tuple[int, str]:
     args = [os.path.join(HERE, "run.py"), ",".join(patterns), kind, out]
     timeout = 120 + PER_PATTERN_SECONDS * len(patterns)
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"))
+    env.update(extra)
     if kind not in CLUSTERS:
         try:
             proc = subprocess.run(
@@ -79,7 +80,7 @@ def _run_once(kind: str, patterns: list[str], out: str) -> tuple[int, str]:
             ps=ps,
             timeout=timeout,
             threads_per_task=1,
-            env={"TF_CPP_MIN_LOG_LEVEL": env["TF_CPP_MIN_LOG_LEVEL"]},
+            env={"TF_CPP_MIN_LOG_LEVEL": env["TF_CPP_MIN_LOG_LEVEL"], **extra},
         ),
         text,
     )

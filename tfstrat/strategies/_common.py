@@ -133,13 +133,16 @@ class AdoptsKerasOptimizers:
             from tfstrat.strategies import _stats  # BatchNormalization's moving statistics
 
             fn = _stats.averaging(self, fn, model)
-        if getattr(fn, "__name__", "") in ("test_step", "predict_step") and model is not None:
-            # No forward pass on 0 rows; XLA on each replica (`_compute`).
+        predict = _compute.keras_predict_model(fn)
+        if predict is not None or (getattr(fn, "__name__", "") == "test_step" and model):
+            # No forward pass on 0 rows; XLA on each replica (`_compute`). Keras compiles
+            # predict's per-replica step itself.
+            model = predict if predict is not None else model
             apart = _compute.can_skip(model)
             skip = apart and self.num_replicas_in_sync > 1
-            jit = apart and getattr(model, "_tfstrat_jit", False)
+            jit = apart and predict is None and getattr(model, "_tfstrat_jit", False)
             if skip or jit:
-                fn = _compute.replica_fn(fn, model, skip, jit)
+                fn = _compute.replica_fn(fn, model, skip, jit, predict=predict is not None)
         return super().run(fn, args=args, kwargs=kwargs, options=options)
 
 
@@ -219,30 +222,6 @@ def _named_iterator_class(cls: type) -> type:
 
         _iterator_classes[cls] = type(cls.__name__, (cls,), {"__next__": __next__})
     return _iterator_classes[cls]
-
-
-def refuse_batches_smaller_than(dataset, replicas: int):
-    """`dataset`, failing with a clear error when its first batch (of each pass) has fewer
-    rows than there are replicas: a replica with no rows would put NaN in the logs, and the
-    gradient would be scaled as if every replica had rows. Later, smaller batches (the last
-    partial batch of an epoch) are fine."""
-
-    def check(largest, element):
-        n = tf.shape(tf.nest.flatten(element)[0], out_type=tf.int64)[0]
-        largest = tf.maximum(largest, n)
-        ok = tf.debugging.assert_greater_equal(
-            largest,
-            tf.constant(replicas, tf.int64),
-            message=(
-                f"tfstrat: the global batch has fewer rows than the {replicas} replicas in sync "
-                f"(each replica needs at least one row). Use a batch size >= {replicas} "
-                "(fit's batch_size is the global batch). Rows in this batch:"
-            ),
-        )
-        with tf.control_dependencies([ok]):
-            return largest, tf.nest.map_structure(tf.identity, element)
-
-    return dataset.scan(tf.constant(0, tf.int64), check)
 
 
 def exact_logs_for_empty_slices(model) -> None:

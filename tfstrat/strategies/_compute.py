@@ -98,10 +98,22 @@ def _zeros_like(grad, variable):
     return tf.zeros(shape, grad.dtype)
 
 
-def replica_fn(fn, model, skip: bool, jit: bool):
-    """`fn` (a model's bound `test_step` or `predict_step`), compiled by XLA (`jit`) and, when
+def keras_predict_model(fn):
+    """The model whose `predict` runs `fn`, or None: Keras 3.15's `make_predict_function`
+    gives `strategy.run` a closure over the model (`one_step_on_data`), not `predict_step`."""
+    import inspect
+
+    if "make_predict_function" not in getattr(fn, "__qualname__", ""):
+        return None
+    inner = inspect.unwrap(fn)  # Keras's _autoconvert_optionals and do_not_convert wrappers
+    if not inspect.isfunction(inner):  # a tf.function (jit_compile=True): left to Keras
+        return None
+    return inspect.getclosurevars(inner).nonlocals.get("self")
+
+
+def replica_fn(fn, model, skip: bool, jit: bool, predict: bool):
+    """`fn` (a model's `test_step` or `predict_step`), compiled by XLA (`jit`) and, when
     `skip`, in a `tf.cond` on the rows."""
-    predict = getattr(fn, "__name__", "") == "predict_step"
     computed = tf.function(fn, jit_compile=True, autograph=False) if jit else fn
 
     def step(*args, **kwargs):

@@ -148,8 +148,7 @@ class _Extended(_cars.CollectiveAllReduceExtended):
         data_options.experimental_distribute.auto_shard_policy = (
             tf.data.experimental.AutoShardPolicy.OFF
         )
-        checked = _common.refuse_batches_smaller_than(dataset, workers)
-        sliced = checked.map(take).with_options(data_options)
+        sliced = dataset.map(take).with_options(data_options)
         saved = self.experimental_enable_get_next_as_optional
         self.experimental_enable_get_next_as_optional = False
         try:  # num_replicas_in_sync=None: no rebatch

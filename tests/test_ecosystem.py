@@ -1,0 +1,121 @@
+"""Other people's Keras code under every strategy: keras-hub and keras-rs models built from
+config, a keras-hub tokenizer in tf.data, raw strings, keras.io's convolutional classifier on
+batches smaller than the replicas, XLA, save -> load -> resume (`keras_patterns/ecosystem.py`).
+
+Each strategy runs every pattern in one process (MirroredNCCL on 2 logical CPUs) or one
+2-worker cluster started by `tfstrat launch`; every task's weights and logs must be within
+1e-5 of one device's. The reference is one device with dense gradients (`none-dense`): Keras
+3's own sparse Adam squares each repeat of an embedding row separately, which no run of
+several replicas can reproduce, and tfstrat sums the repeats first (README, "Sparse
+gradients"); for SGD the two references are the same. LocalSGD(sync_every=1) runs the
+patterns that train with plain SGD, for which it equals one device.
+
+TensorFlow's oneDNN kernels are off here (`TF_ENABLE_ONEDNN_OPTS=0`, reference included), so
+that the tier does the same on every CPU; `test_empty_replica_under_onednn` turns them on,
+where a Conv2D of 0 rows has the wrong shape (the case a replica with no rows must skip).
+"""
+
+import math
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "keras_patterns"))
+
+from compare import TOLERANCE, compare, load  # noqa: E402
+from ecosystem import PATTERNS, PLAIN_SGD  # noqa: E402
+from table import run_strategy  # noqa: E402
+
+pytestmark = [pytest.mark.ecosystem, pytest.mark.cluster]
+
+REFERENCE = "none-dense"
+ALL = list(PATTERNS)
+# keras.io's own BatchNormalization keeps statistics per replica (by design, README): it must
+# train, evaluate and predict every row, not equal one device.
+RUNS_ONLY = ("conv_keras_io_small_last_batch",)
+ONEDNN_OFF = {"TF_ENABLE_ONEDNN_OPTS": "0"}
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("ecosystem"))
+    with open(os.path.join(out, f"{REFERENCE}.log"), "w") as log:
+        run_strategy(REFERENCE, ALL, out, log, env=ONEDNN_OFF)
+    return out
+
+
+def _check(out: str, kind: str, patterns: list[str]) -> None:
+    failures = []
+    for pattern in patterns:
+        if pattern in RUNS_ONLY:
+            failures += _ran(out, pattern, kind)
+            continue
+        result = compare(out, pattern, kind, reference=REFERENCE)
+        if result["cell"] != "exact":
+            failures.append(f"{pattern}: {result['cell']}")
+    for task, run in load(out, "hub_save_resume", kind).items():
+        if isinstance(run, dict):  # a worker's own file, loaded back, is what it saved
+            assert float(run["m:own_file/max_difference"]) == 0.0, (task, kind)
+    log = os.path.join(out, f"{kind}.log")
+    assert not failures, (failures, log)
+
+
+def _ran(out: str, pattern: str, kind: str) -> list[str]:
+    runs = load(out, pattern, kind)
+    if not runs:
+        return [f"{pattern}: no result"]
+    problems = []
+    for task, run in runs.items():
+        if isinstance(run, str):
+            problems.append(f"{pattern} on {task}: {run}")
+        elif int(run["m:predict/rows"]) != 17 or not all(
+            math.isfinite(float(v)) for k, v in run.items() if k.startswith("m:")
+        ):
+            problems.append(f"{pattern} on {task}: {int(run['m:predict/rows'])} rows predicted")
+    return problems
+
+
+def _run(out: str, kind: str, patterns: list[str]) -> None:
+    with open(os.path.join(out, f"{kind}.log"), "w") as log:
+        run_strategy(kind, patterns, out, log, env=ONEDNN_OFF)
+
+
+@pytest.mark.timeout(900)
+def test_mirrored_nccl(out):
+    _run(out, "mirrored", ALL)
+    _check(out, "mirrored", ALL)
+
+
+@pytest.mark.timeout(900)
+def test_collective_all_reduce(out):
+    _run(out, "collective", ALL)
+    _check(out, "collective", ALL)
+
+
+@pytest.mark.timeout(900)
+def test_hybrid_without_ps(out):
+    _run(out, "hybrid-nops", ALL)
+    _check(out, "hybrid-nops", ALL)
+
+
+@pytest.mark.timeout(600)
+def test_localsgd_sync_every_step_with_plain_sgd(out):
+    _run(out, "localsgd", list(PLAIN_SGD))
+    _check(out, "localsgd", list(PLAIN_SGD))
+
+
+@pytest.mark.timeout(600)
+def test_empty_replica_under_onednn(tmp_path):
+    """With oneDNN's kernels on, keras.io's classifier trains under MirroredNCCL where a
+    replica gets no rows (it failed in BatchNormalization: "Incompatible shapes"), and the
+    LayerNormalization variant equals one device."""
+    patterns = ["conv_layernorm_small_last_batch", "conv_keras_io_small_last_batch"]
+    out, on = str(tmp_path), {"TF_ENABLE_ONEDNN_OPTS": "1"}
+    for kind in (REFERENCE, "mirrored"):
+        with open(os.path.join(out, f"{kind}.log"), "w") as log:
+            run_strategy(kind, patterns, out, log, env=on)
+    result = compare(out, patterns[0], "mirrored", reference=REFERENCE)
+    assert result["cell"] == "exact", result["cell"]
+    assert not _ran(out, patterns[1], "mirrored")
+    assert result["weights"] <= TOLERANCE
