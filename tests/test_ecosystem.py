@@ -82,21 +82,11 @@ def _run(out: str, kind: str, patterns: list[str]) -> None:
 
 
 @pytest.mark.timeout(900)
-def test_mirrored_nccl(out):
-    _run(out, "mirrored", ALL)
-    _check(out, "mirrored", ALL)
-
-
-@pytest.mark.timeout(900)
-def test_collective_all_reduce(out):
-    _run(out, "collective", ALL)
-    _check(out, "collective", ALL)
-
-
-@pytest.mark.timeout(900)
-def test_hybrid_without_ps(out):
-    _run(out, "hybrid-nops", ALL)
-    _check(out, "hybrid-nops", ALL)
+@pytest.mark.parametrize("kind", ["mirrored", "collective", "hybrid-nops"])
+def test_every_pattern_equals_one_device(out, kind):
+    """MirroredNCCL (2 logical CPUs), CollectiveAllReduce and Hybrid without ps (2 workers)."""
+    _run(out, kind, ALL)
+    _check(out, kind, ALL)
 
 
 @pytest.mark.timeout(600)

@@ -69,27 +69,33 @@ def _tokens(seed: int, rows: int = ROWS):
     return np.where(mask, ids, 0).astype("int32"), mask
 
 
+def _gpt2(num_layers: int):
+    """keras-hub's GPT2CausalLM from config: no preset, no preprocessor, no dropout."""
+    import keras_hub
+
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=VOCAB,
+        num_layers=num_layers,
+        num_heads=2,
+        hidden_dim=16,
+        intermediate_dim=32,
+        max_sequence_length=LENGTH,
+        dropout=0.0,
+    )
+    return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+
+
 def hub_gpt2(ctx):
     """keras-hub's GPT2CausalLM (2 layers) on token ids with a bool padding mask, the mask as
     the sample weight, plain SGD."""
     import keras
-    import keras_hub
 
     ids, mask = _tokens(3)
     x = {"token_ids": ids, "padding_mask": mask}
     y = np.roll(ids, -1, axis=1)
     with ctx.scope():
         seeded()
-        backbone = keras_hub.models.GPT2Backbone(
-            vocabulary_size=VOCAB,
-            num_layers=2,
-            num_heads=2,
-            hidden_dim=16,
-            intermediate_dim=32,
-            max_sequence_length=LENGTH,
-            dropout=0.0,
-        )
-        model = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+        model = _gpt2(num_layers=2)
         model.compile(
             optimizer=keras.optimizers.SGD(0.1),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -353,23 +359,13 @@ def hub_save_resume(ctx):
     import tempfile
 
     import keras
-    import keras_hub
 
     ids, mask = _tokens(12)
     x = {"token_ids": ids, "padding_mask": mask}
     y = np.roll(ids, -1, axis=1)
     with ctx.scope():
         seeded()
-        backbone = keras_hub.models.GPT2Backbone(
-            vocabulary_size=VOCAB,
-            num_layers=1,
-            num_heads=2,
-            hidden_dim=16,
-            intermediate_dim=32,
-            max_sequence_length=LENGTH,
-            dropout=0.0,
-        )
-        model = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+        model = _gpt2(num_layers=1)
         # Momentum, not Adam: Adam turns the rounding noise of the key bias's gradient
         # (zero in exact arithmetic: softmax ignores it) into full-size steps.
         model.compile(
