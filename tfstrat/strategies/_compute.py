@@ -56,6 +56,23 @@ def rows_of(args) -> tf.Tensor | None:
     return None
 
 
+def unknown_batch(structure):
+    """`structure` with the batch size of every dense tensor unknown to the trace. A worker
+    whose slice is statically empty (`batch_size=1` on 2 workers) would otherwise trace
+    another step than the others: Keras takes other paths for a static 0 (it skips
+    `scale_loss_for_distribution`), and the workers' all-reduces would differ in size."""
+
+    if tf.executing_eagerly():  # run_eagerly=True: nothing is traced
+        return structure
+
+    def erase(t):
+        if not isinstance(t, tf.Tensor) or not t.shape.rank or t.shape[0] is None:
+            return t
+        return tf.compat.v1.placeholder_with_default(t, [None, *t.shape[1:]])
+
+    return tf.nest.map_structure(erase, structure)
+
+
 def gradients(run, rows=None, jit: bool = False) -> list:
     """`run()` traces a step and returns its deferred `apply_gradients` calls,
     `[(apply, [(grad, var), ...]), ...]`; returns the same calls with each gradient computed
@@ -117,9 +134,11 @@ def replica_fn(fn, model, skip: bool, jit: bool, predict: bool):
     computed = tf.function(fn, jit_compile=True, autograph=False) if jit else fn
 
     def step(*args, **kwargs):
-        rows = rows_of((args, kwargs)) if skip else None
         if tf.executing_eagerly():
             return fn(*args, **kwargs)
+        if skip:
+            args, kwargs = unknown_batch((args, kwargs))
+        rows = rows_of((args, kwargs)) if skip else None
         if rows is None:
             return computed(*args, **kwargs)
         box: dict = {}

@@ -104,10 +104,12 @@ def replica_step(model, fn):
 
     @functools.wraps(fn)
     def step(*args, **kwargs):
+        context = tf.distribute.get_replica_context()
+        if context is not None and context.num_replicas_in_sync > 1:
+            args, kwargs = _compute.unknown_batch((args, kwargs))  # the same trace everywhere
         _step.rows, _step.scaled = _compute.rows_of((args, kwargs)), False
         _step.pending = [] if default else None
         _step.metrics = _step.states = None
-        context = tf.distribute.get_replica_context()
         skip = apart and _step.rows is not None and context is not None
         skip = skip and context.num_replicas_in_sync > 1
         jit = apart and getattr(model, "_tfstrat_jit", False)

@@ -382,6 +382,8 @@ class LocalSGD(CollectiveAllReduce):
                     lambda: self._rebase(model, state),
                     lambda: tf.constant(0, tf.int64),
                 )
+            if not tf.executing_eagerly():  # the same trace on every worker
+                args, kwargs = _compute.unknown_batch((args, kwargs))
             rows = _compute.rows_of((args, kwargs))
             if rows is not None and skip and not tf.executing_eagerly():
                 # A worker with no rows runs no forward pass (`_compute`): its optimizer
