@@ -1,6 +1,10 @@
 """Runs patterns x strategies and prints the table (what `scripts/patterns` runs).
 
-Usage: python table.py [--patterns a,b] [--strategies none,mirrored,...] [--out DIR]
+Usage: python table.py [--patterns a,b | --patterns ecosystem] [--strategies mirrored,...] [--out DIR]
+
+`--patterns ecosystem` runs `ecosystem.py`'s patterns (keras-hub, keras-rs, XLA, ...) against
+one device with dense gradients (`none-dense`), under every strategy: the larger matrix that
+CI does not run (tests/test_ecosystem.py runs its core).
 
 Each strategy runs every pattern in one process (or one cluster through `tfstrat launch`); a
 run that dies (a crash, a hang past its timeout) is started again with the patterns it had
@@ -105,17 +109,19 @@ def _last_line(text: str) -> str:
     return (lines or text.splitlines() or [""])[-1][-200:]
 
 
-def cell(out: str, pattern: str, kind: str) -> str:
+def cell(out: str, pattern: str, kind: str, reference: str = "none") -> str:
     if (pattern, kind) in NOT_APPLICABLE:
         return NOT_APPLICABLE[(pattern, kind)]
-    return compare(out, pattern, kind, weights_only=kind in WEIGHTS_ONLY)["cell"]
+    weights_only = kind in WEIGHTS_ONLY
+    return compare(out, pattern, kind, weights_only=weights_only, reference=reference)["cell"]
 
 
 def table(out: str, patterns: list[str], kinds: list[str]) -> str:
-    columns = [k for k in kinds if k != "none"]
+    reference = kinds[0] if kinds and kinds[0].startswith("none") else "none"
+    columns = [k for k in kinds if not k.startswith("none")]
     rows = ["| pattern | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for p in patterns:
-        rows.append(f"| {p} | " + " | ".join(cell(out, p, k) for k in columns) + " |")
+        rows.append(f"| {p} | " + " | ".join(cell(out, p, k, reference) for k in columns) + " |")
     return "\n".join(rows)
 
 
@@ -128,8 +134,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", default=None, help="results and logs (default: a temp dir)")
     args = parser.parse_args(argv)
     patterns, kinds = args.patterns.split(","), args.strategies.split(",")
-    if "none" not in kinds:
-        kinds.insert(0, "none")
+    if patterns == ["ecosystem"]:  # the larger ecosystem matrix, against `none-dense`
+        from ecosystem import PATTERNS as ECOSYSTEM
+
+        patterns, reference = list(ECOSYSTEM), "none-dense"
+    else:
+        reference = "none"
+    kinds = [k for k in kinds if k not in ("none", "none-dense")]
+    kinds.insert(0, reference)
     out = args.out or tempfile.mkdtemp(prefix="tfstrat-patterns-")
     os.makedirs(out, exist_ok=True)
     for kind in kinds:
