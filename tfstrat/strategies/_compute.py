@@ -57,7 +57,7 @@ def rows_of(args) -> tf.Tensor | None:
 
 
 def unknown_batch(structure):
-    """`structure` with the batch size of every dense tensor unknown to the trace. A worker
+    """`structure` with a statically empty batch made unknown to the trace. A worker
     whose slice is statically empty (`batch_size=1` on 2 workers) would otherwise trace
     another step than the others: Keras takes other paths for a static 0 (it skips
     `scale_loss_for_distribution`), and the workers' all-reduces would differ in size."""
@@ -66,7 +66,9 @@ def unknown_batch(structure):
         return structure
 
     def erase(t):
-        if not isinstance(t, tf.Tensor) or not t.shape.rank or t.shape[0] is None:
+        # Only a static 0: other sizes trace alike, and keep the sparse all-gather's static
+        # shape (tests/test_mirrored.py).
+        if not isinstance(t, tf.Tensor) or not t.shape.rank or t.shape[0] != 0:
             return t
         return tf.compat.v1.placeholder_with_default(t, [None, *t.shape[1:]])
 
