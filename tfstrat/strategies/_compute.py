@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from tfstrat.reduce import sparse
+
 
 def can_skip(model) -> bool:
     """Whether `model`'s forward pass holds no collective of its own (a replica may skip it)."""
@@ -97,8 +99,21 @@ def gradients(run, rows=None, jit: bool = False) -> list:
     flat = iter(tf.cond(rows > 0, computed, skip) if rows is not None else computed())
     out = []
     for apply, pairs in box["pending"]:
-        out.append((apply, [(g if g is None else next(flat), v) for g, v in pairs]))
+        out.append((apply, [(g if g is None else _static(next(flat), v), v) for g, v in pairs]))
     return out
+
+
+def _static(grad, variable):
+    """A cond's sparse output with the variable's shape as a constant `dense_shape` (the
+    cond makes it a tensor of unknown value, and a densified gradient of unknown shape
+    cannot ride in the packed dense all-reduce)."""
+    if not isinstance(grad, tf.IndexedSlices) or grad.dense_shape is None:
+        return grad
+    shape = tf.TensorShape(variable.shape)
+    if not shape.is_fully_defined():
+        return grad
+    dense_shape = tf.constant(shape.as_list(), grad.dense_shape.dtype)
+    return tf.IndexedSlices(grad.values, grad.indices, dense_shape)
 
 
 def _zeros_like(grad, variable):
@@ -106,9 +121,13 @@ def _zeros_like(grad, variable):
         row = grad.values.shape[1:]
         if not row.is_fully_defined():
             row = tf.TensorShape(variable.shape)[1:]
+        # As many rows as the other branch's, zero, at index 0 (the padding of
+        # `tfstrat.reduce.sparse.pack_rows`, which adds nothing): the cond's output keeps its
+        # static row count, which the packed sparse all-gather needs.
+        n = sparse.static_rows(grad) or 0
         return tf.IndexedSlices(
-            tf.zeros([0, *row], grad.values.dtype),
-            tf.zeros([0], grad.indices.dtype),
+            tf.zeros([n, *row], grad.values.dtype),
+            tf.zeros([n], grad.indices.dtype),
             tf.constant(list(variable.shape), grad.dense_shape.dtype)
             if grad.dense_shape is not None
             else None,
