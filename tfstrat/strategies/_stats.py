@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from tfstrat.strategies import _compute
+
 
 def statistics(model) -> list:
     """The variables of `model` whose replicas are averaged after every step."""
@@ -45,13 +47,6 @@ def statistics(model) -> list:
                 seen.add(id(v))
                 found.append(v)
     return found
-
-
-def _local_rows(args) -> tf.Tensor:
-    for t in tf.nest.flatten(args):
-        if isinstance(t, tf.Tensor) and t.shape.rank:
-            return tf.shape(t)[0]
-    return tf.constant(1)
 
 
 def _average(variables, rows) -> None:
@@ -76,7 +71,8 @@ def averaging(strategy, fn, model):
         outputs = fn(*args, **kwargs)
         variables = statistics(model)
         if variables and tf.distribute.get_replica_context() is not None:
-            _average(variables, _local_rows(args))
+            rows = _compute.rows_of(args)
+            _average(variables, tf.constant(1) if rows is None else rows)
         return outputs
 
     return step

@@ -33,7 +33,7 @@ from tfstrat.ps import variables as psvars
 from tfstrat.ps.connect import Heartbeat, connect, task_name
 from tfstrat.ps.sync import SyncReplicas
 from tfstrat.reduce.sparse import dedup
-from tfstrat.strategies import _common, _exact_step, _reuse
+from tfstrat.strategies import _common, _compute, _exact_step, _reuse
 from tfstrat.strategies._shuffle import seed_shuffles
 
 logger = logging.getLogger(__name__)
@@ -315,7 +315,7 @@ class ParameterServer(distribute_lib.Strategy):
                 # The worker's rows, for the rows weighting of its gradient (`push`), and
                 # whether Keras computed the mean loss they weigh (`_exact_step._step`).
                 state = _exact_step._step
-                state.rows, state.scaled = _exact_step._rows_of(a, k), False
+                state.rows, state.scaled = _compute.rows_of((a, k)), False
                 try:
                     with tf.control_dependencies([self.sync.begin_step()]):
                         return inner(*a, **k)
