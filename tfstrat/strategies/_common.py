@@ -134,7 +134,9 @@ class AdoptsKerasOptimizers:
 
             fn = _stats.averaging(self, fn, model)
         predict = _compute.keras_predict_model(fn)
-        if predict is not None or (getattr(fn, "__name__", "") == "test_step" and model):
+        if predict is not None or (
+            getattr(fn, "__name__", "") == "test_step" and model is not None
+        ):
             # No forward pass on 0 rows; XLA on each replica (`_compute`). Keras compiles
             # predict's per-replica step itself.
             model = predict if predict is not None else model

@@ -109,11 +109,13 @@ def _static(grad, variable):
     cannot ride in the packed dense all-reduce)."""
     if not isinstance(grad, tf.IndexedSlices) or grad.dense_shape is None:
         return grad
-    shape = tf.TensorShape(variable.shape)
-    if not shape.is_fully_defined():
+    if not tf.TensorShape(variable.shape).is_fully_defined():
         return grad
-    dense_shape = tf.constant(shape.as_list(), grad.dense_shape.dtype)
-    return tf.IndexedSlices(grad.values, grad.indices, dense_shape)
+    return tf.IndexedSlices(grad.values, grad.indices, _dense_shape(grad, variable))
+
+
+def _dense_shape(grad: tf.IndexedSlices, variable):
+    return tf.constant(tf.TensorShape(variable.shape).as_list(), grad.dense_shape.dtype)
 
 
 def _zeros_like(grad, variable):
@@ -128,9 +130,7 @@ def _zeros_like(grad, variable):
         return tf.IndexedSlices(
             tf.zeros([n, *row], grad.values.dtype),
             tf.zeros([n], grad.indices.dtype),
-            tf.constant(list(variable.shape), grad.dense_shape.dtype)
-            if grad.dense_shape is not None
-            else None,
+            None if grad.dense_shape is None else _dense_shape(grad, variable),
         )
     shape = grad.shape if grad.shape.is_fully_defined() else tf.TensorShape(variable.shape)
     return tf.zeros(shape, grad.dtype)

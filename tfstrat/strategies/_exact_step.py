@@ -98,10 +98,6 @@ def replica_step(model, fn):
     # A replica's computation apart (`_compute`): Keras's own train_step, no collective inside.
     apart = default and _compute.can_skip(model)
 
-    def run(*args, **kwargs):
-        fn(*args, **kwargs)
-        return _step.pending
-
     @functools.wraps(fn)
     def step(*args, **kwargs):
         context = tf.distribute.get_replica_context()
@@ -116,10 +112,7 @@ def replica_step(model, fn):
         try:
             if skip or jit:  # no forward pass on 0 rows; XLA without the exchange
                 logs = None
-                pending = _compute.gradients(
-                    lambda: run(*args, **kwargs), _step.rows if skip else None, jit
-                )
-                _step.pending = None
+                pending = computed_apart(fn, args, kwargs, _step.rows if skip else None, jit)
             else:
                 logs = fn(*args, **kwargs)
                 pending, _step.pending = _step.pending, None
@@ -136,6 +129,22 @@ def replica_step(model, fn):
             _step.scaled = False
 
     return step
+
+
+def computed_apart(fn, args, kwargs, rows=None, jit: bool = False) -> list:
+    """Keras's default `train_step` `fn` on `args`, its `apply_gradients` deferred, traced by
+    `_compute.gradients` (skipped where `rows == 0`, compiled by XLA with `jit`): its deferred
+    `[(apply_gradients, grads_and_vars), ...]`, for the caller to apply after."""
+
+    def run():
+        fn(*args, **kwargs)
+        return _step.pending
+
+    _step.pending = []
+    try:
+        return _compute.gradients(run, rows, jit)
+    finally:
+        _step.pending = None
 
 
 def _foldable(model) -> list:

@@ -24,8 +24,8 @@ TensorFlow collectives, agreement and stop handling. What changes is the trainin
   taken since the last sync, so checkpoints, evaluation and `predict` see one model.
 
 State that a resume needs rides in the inner optimizer's variables, so `model.save_weights`
-and tfstrat's `BackupAndRestore` keep it: the steps and rows since the last sync, the weights at the
-last sync (with an outer optimizer) and the outer optimizer's own variables. A plain Keras
+and tfstrat's `BackupAndRestore` keep it: the steps and rows since the last sync, the weights
+at the last sync (with an outer optimizer) and the outer optimizer's own variables. A plain Keras
 model loads such a checkpoint's weights (its optimizer, if any, is skipped with Keras's
 warning about the variable count).
 """
@@ -365,14 +365,11 @@ class LocalSGD(CollectiveAllReduce):
     def _local_step(self, model, fn, inner):
         state = self._states[id(inner)]
         every = tf.constant(self.sync_every, tf.int64)
-        # Keras's own train_step without a collective inside: its apply_gradients deferred.
-        skip = _exact_step._is_keras_default_train_step(fn) and _compute.can_skip(model)
-        if skip:
+        # Keras's own train_step without a collective inside: its apply_gradients deferred,
+        # the rest skipped on 0 rows and compiled by XLA under jit_compile (`_compute`).
+        apart = _exact_step._is_keras_default_train_step(fn) and _compute.can_skip(model)
+        if apart:
             _exact_step.defer_apply(inner)
-
-        def run(*args, **kwargs):
-            fn(*args, **kwargs)
-            return _exact_step._step.pending
 
         def step(*args, **kwargs):
             _exact_step._step.scaled = False  # set again when Keras scales this step's loss
@@ -382,16 +379,14 @@ class LocalSGD(CollectiveAllReduce):
                     lambda: self._rebase(model, state),
                     lambda: tf.constant(0, tf.int64),
                 )
-            if not tf.executing_eagerly():  # the same trace on every worker
-                args, kwargs = _compute.unknown_batch((args, kwargs))
+            args, kwargs = _compute.unknown_batch((args, kwargs))  # alike on every worker
             rows = _compute.rows_of((args, kwargs))
-            if rows is not None and skip and not tf.executing_eagerly():
-                # A worker with no rows runs no forward pass (`_compute`): its optimizer
-                # steps on a zero gradient (outside the tf.cond: Keras's apply merge_calls),
-                # and it has no weight in the average.
-                _exact_step._step.pending = []
-                pending = _compute.gradients(lambda: run(*args, **kwargs), rows)
-                _exact_step._step.pending = None
+            if apart and not tf.executing_eagerly():
+                # A worker with no rows runs no forward pass: its optimizer steps on a zero
+                # gradient (outside the tf.cond: Keras's apply merge_calls), and it has no
+                # weight in the average.
+                jit = getattr(model, "_tfstrat_jit", False)
+                pending = _exact_step.computed_apart(fn, args, kwargs, rows, jit)
                 for apply_gradients, grads_and_vars in pending:
                     apply_gradients(grads_and_vars)
                 logs = model.get_metrics_result()
