@@ -6,7 +6,7 @@ import pytest
 
 from tfstrat.cli import main
 
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 
 def test_scaling_quick_writes_the_table(tmp_path, capsys):

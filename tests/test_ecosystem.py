@@ -27,7 +27,7 @@ from compare import TOLERANCE, compare, load  # noqa: E402
 from ecosystem import PATTERNS, PLAIN_SGD  # noqa: E402
 from table import run_strategy  # noqa: E402
 
-pytestmark = [pytest.mark.ecosystem, pytest.mark.cluster]
+pytestmark = [pytest.mark.ecosystem, pytest.mark.cluster, pytest.mark.slow]
 
 REFERENCE = "none-dense"
 ALL = list(PATTERNS)

@@ -93,6 +93,7 @@ def test_bytes_per_step_scale_with_rows_touched_not_vocabulary(tmp_path):
     assert abs(sent[10] - sent[1]) <= 0.2 * sent[1], sent
 
 
+@pytest.mark.cluster
 @pytest.mark.timeout(300)
 def test_a_ps_table_over_grpcs_message_limit_saves_and_loads_into_stock_keras(tmp_path):
     # 70,000 x 32 on one ps (8.5 MiB): read in one RPC, gRPC refused it ("Received message

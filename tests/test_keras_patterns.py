@@ -36,7 +36,7 @@ SCALED_LOGS = {"gan": ("fit/d_loss", "fit/g_loss"), "custom_steps": ("fit/loss",
 # Patterns known to fail under a strategy: {(strategy, pattern): a text of the failure's log}.
 KNOWN_FAILURES: dict[tuple[str, str], str] = {}
 
-pytestmark = [pytest.mark.patterns, pytest.mark.cluster]
+pytestmark = [pytest.mark.patterns, pytest.mark.cluster, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -39,6 +39,7 @@ def _series(npz, name):
 
 
 @pytest.mark.cluster
+@pytest.mark.slow
 @pytest.mark.timeout(RUN_TIMEOUT + 120)
 def test_sync_every_1_equals_single_device(cluster_run):
     _, reports, arrays, plain, log = cluster_run
@@ -51,6 +52,7 @@ def test_sync_every_1_equals_single_device(cluster_run):
 
 
 @pytest.mark.cluster
+@pytest.mark.slow
 def test_sync_every_8_workers_end_identical_and_plain_keras_loads_the_checkpoint(cluster_run):
     _, reports, arrays, plain, _ = cluster_run
     w0, w1 = _series(arrays[0], "sync8"), _series(arrays[1], "sync8")
@@ -69,6 +71,7 @@ def test_sync_every_8_workers_end_identical_and_plain_keras_loads_the_checkpoint
 
 
 @pytest.mark.cluster
+@pytest.mark.slow
 def test_bytes_per_step_drop_with_sync_every(cluster_run):
     _, reports, _, _, _ = cluster_run
     sent = reports[0]["bytes"]["per_step"]
@@ -86,6 +89,7 @@ def test_bytes_per_step_drop_with_sync_every(cluster_run):
 
 
 @pytest.mark.cluster
+@pytest.mark.slow
 def test_diloco_on_digits_within_2_points_of_collective(cluster_run):
     _, reports, _, _, _ = cluster_run
     acc = reports[0]["digits"]
@@ -96,6 +100,7 @@ def test_diloco_on_digits_within_2_points_of_collective(cluster_run):
 
 
 @pytest.mark.cluster
+@pytest.mark.slow
 def test_backup_and_restore_resume_is_exact(cluster_run):
     _, reports, _, _, _ = cluster_run
     for r in reports:
@@ -106,6 +111,7 @@ def test_backup_and_restore_resume_is_exact(cluster_run):
 
 
 @pytest.mark.cluster
+@pytest.mark.slow
 @pytest.mark.faults
 def test_workers_with_different_outer_optimizers_are_refused_at_start():
     code, log = launch_script("localsgd_agree.py", workers=2)
@@ -166,6 +172,7 @@ def test_the_outer_nesterov_step_is_dilocos_rule_written_out(tmp_path):
 
 
 @pytest.mark.cluster
+@pytest.mark.slow
 def test_diloco_on_two_workers_is_the_algorithm_written_out(cluster_run):
     # Each worker steps on its half of every global batch; every 3 steps (and at the epoch's
     # end) the average's change is stepped by SGD(0.7, momentum=0.9, nesterov=True).

@@ -42,7 +42,7 @@ def net():
     try:
         network.__enter__()
     except netns.Unavailable as e:
-        pytest.skip(str(e))
+        netns.skip_or_fail(str(e))
     try:
         yield network
     finally:
@@ -149,10 +149,13 @@ def test_the_network_is_what_the_cases_claim(net):
     listener = net.start(1, [sys.executable, "multihost_probe.py", "listen", "2222", "2224"],
                          name="listener", cwd=SCRIPTS)  # fmt: skip
     try:
-        for _ in range(100):
-            if "listening" in listener.output():
-                break
+        deadline = time.monotonic() + 30
+        while "listening" not in listener.output():
             assert listener.proc.poll() is None, net.report([listener])
+            assert time.monotonic() < deadline, (
+                "no 'listening' within 30 s",
+                net.report([listener]),
+            )
             time.sleep(0.1)
         assert _probe(net, 0, "connect", net.names[1], "2222").split() == ["ok", net.ipv4(0)]
         assert _probe(net, 0, "connect", net.ipv6(1), "2222").split() == ["ok", net.ipv6(0)]
@@ -161,7 +164,7 @@ def test_the_network_is_what_the_cases_claim(net):
         try:
             net.declare_services({1: [2222]})
         except netns.Unavailable as e:
-            pytest.skip(f"names, IPv4 and IPv6 checked; the ClusterIP part cannot run: {e}")
+            netns.skip_or_fail(f"names, IPv4 and IPv6 checked; the ClusterIP part cannot run: {e}")
         try:
             assert _probe(net, 0, "connect", net.services[1], "2222").startswith("ok")
             assert _probe(net, 1, "connect", net.services[1], "2222").startswith("ok")
@@ -215,7 +218,7 @@ def test_collective_by_clusterip_service_names(net, reference, tmp_path):
     try:
         net.declare_services({i: [PORT, PORT + 1] for i in range(HOSTS)})
     except netns.Unavailable as e:
-        pytest.skip(str(e))
+        netns.skip_or_fail(str(e))
     try:
         _collective(net, reference, tmp_path, net.services)
     finally:
@@ -304,7 +307,7 @@ def test_hybrid_with_the_ps_on_a_third_host(net, reference, tmp_path, naming):
         try:
             net.declare_services({i: [PORT, PORT + 1] for i in range(HOSTS)})
         except netns.Unavailable as e:
-            pytest.skip(str(e))
+            netns.skip_or_fail(str(e))
         names = net.services
     try:
         results, log = _train(net, tmp_path, "hybrid", names[:2], names[2:3])

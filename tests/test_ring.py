@@ -5,6 +5,7 @@ inside Keras training (CollectiveAllReduce uses it by default on CPU-only worker
 """
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -130,8 +131,10 @@ def test_a_peer_that_closes_fails_the_other_naming_it():
 
 def test_a_silent_peer_times_out_naming_it():
     rings, _ = _rings(2, timeout=1.0)
+    started = time.monotonic()
     with pytest.raises(ring.RingError, match="worker 1 .*sent nothing for 1.0 s"):
         rings[0].all_reduce(np.ones(4, np.float32))  # worker 1 never calls
+    assert time.monotonic() - started < 1.0 + 5, "the 1 s timeout, and a busy machine's slack"
 
 
 def test_a_missing_peer_fails_the_connect_within_the_timeout():
@@ -139,8 +142,10 @@ def test_a_missing_peer_fails_the_connect_within_the_timeout():
     dead = ring.listen("127.0.0.1")
     address = f"127.0.0.1:{dead.getsockname()[1]}"
     dead.close()  # nobody listens there
+    started = time.monotonic()
     with pytest.raises(ring.RingError, match="Could not connect to worker 1"):
         ring.Ring(0, [f"127.0.0.1:{listener.getsockname()[1]}", address], listener, 0.5)
+    assert time.monotonic() - started < 0.5 + 5, "the 0.5 s timeout, and a busy machine's slack"
 
 
 def test_ipv6_peers():
