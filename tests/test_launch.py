@@ -43,13 +43,16 @@ def test_workers_get_distinct_tasks():
 @pytest.mark.parametrize(
     "threads, chief, expected",
     [
-        (None, False, max(1, (os.cpu_count() or 1) // 2)),
-        (None, True, max(1, (os.cpu_count() or 1) // 3)),
+        (None, False, 6),  # 12 cores over 2 workers
+        (None, True, 4),  # 12 cores over 2 workers and a chief
         (3, False, 3),
         (0, False, None),
     ],
 )
 def test_threads_per_task_sizes_both_tensorflow_pools(threads, chief, expected, monkeypatch):
+    # A 12-core machine as the launcher sees it, so that each case expects its own count
+    # (on 2 cores every default would be 1).
+    monkeypatch.setattr(os, "cpu_count", lambda: 12)
     for name in ("TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS"):
         monkeypatch.delenv(name, raising=False)
     script = (

@@ -46,9 +46,10 @@ def test_equals_single_device_training(n, sparse_as_dense, tmp_path):
         assert not any(table in shapes for shapes in dense_packs), sent
     else:
         assert {d for *_, d in result["decisions"]} == {"dense"}
-        assert not gathers and all(table in shapes for shapes in dense_packs), sent
+        assert dense_packs and not gathers, sent
+        assert all(table in shapes for shapes in dense_packs), sent
     # Every dense gradient went out in one packed collective per step function.
-    assert all(len(shapes) >= 6 for shapes in dense_packs)
+    assert dense_packs and all(len(shapes) >= 6 for shapes in dense_packs), sent
 
 
 def test_nccl_where_it_cannot_run_is_a_clear_error():
