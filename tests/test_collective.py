@@ -129,9 +129,9 @@ def test_a_killed_peer_fails_the_others_within_the_timeout():
     config = TFConfig.local(workers=2)
     procs = [start_task(config, "worker", i, "peer_killed.py", str(timeout)) for i in range(2)]
     try:
-        start = time.monotonic()
         out, _ = procs[0].communicate(timeout=RUN_TIMEOUT)
-        elapsed = time.monotonic() - start
+        ended = time.time()
+        dead, _ = procs[1].communicate(timeout=30)  # it killed itself: its output is complete
     finally:
         for p in procs:
             p.kill()
@@ -140,8 +140,9 @@ def test_a_killed_peer_fails_the_others_within_the_timeout():
     assert "training finished" not in out
     # TensorFlow's gRPC error names the peer it lost.
     assert "/job:worker/replica:0/task:1" in out, out[-3000:]
-    # Start-up (imports, tracing) plus at most one collective timeout, with a wide margin.
-    assert elapsed < 120 + timeout, elapsed
+    # From the kill: at most one collective timeout, and a busy machine's slack.
+    took = ended - float(dead.split("worker 1 dies now, at ")[1].split()[0])
+    assert took < timeout + 30, (took, out[-3000:])
 
 
 def test_only_the_chief_writes_and_every_worker_restores(tmp_path):

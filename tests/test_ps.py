@@ -149,9 +149,8 @@ def test_a_killed_ps_fails_every_worker_naming_it(tmp_path):
         for i in range(2)
     ]
     try:
-        start = time.monotonic()
         outs = [p.communicate(timeout=RUN_TIMEOUT)[0] for p in procs[1:]]
-        elapsed = time.monotonic() - start
+        ended = time.time()  # both workers have exited
     finally:
         for p in procs:
             p.kill()
@@ -160,7 +159,9 @@ def test_a_killed_ps_fails_every_worker_naming_it(tmp_path):
         assert p.returncode != 0, out[-3000:]
         assert "training finished" not in out
         assert "/job:ps/replica:0/task:0" in out, out[-3000:]  # the error names the ps
-    assert elapsed < 120 + timeout, elapsed
+    # From the kill: at most one wait's timeout, and a busy machine's slack.
+    took = ended - float(outs[0].split("worker 0 kills ps:0 now, at ")[1].split()[0])
+    assert took < timeout + 30, (took, outs[0][-3000:])
     # Under the launcher, the ps's death stops the run with a non-zero code naming it.
     code, log = launch_script("ps_faults.py", str(tmp_path), "kill-ps", "20", workers=2, ps=1)
     assert code != 0

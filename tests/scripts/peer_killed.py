@@ -7,6 +7,7 @@ Worker 0 must then fail on its own, within the collective timeout, naming the de
 import os
 import signal
 import sys
+import time
 
 import tfstrat
 
@@ -19,7 +20,7 @@ from common import build_model, compile_model, data, optimizer  # noqa: E402
 class DieAtStep(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if batch == 5 and strategy.worker_index == 1:
-            print("worker 1 dies now", flush=True)
+            print(f"worker 1 dies now, at {time.time()}", flush=True)  # the fault's wall clock
             os.kill(os.getpid(), signal.SIGKILL)
 
 
