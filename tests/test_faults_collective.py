@@ -3,6 +3,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -111,20 +112,26 @@ def test_input_that_cannot_train_is_refused_and_empty_slices_train_exactly(tmp_p
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("case", ["model", "options"])
 def test_workers_that_disagree_all_fail_naming_the_difference(case):
-    started = time.monotonic()
     code, out = launch_script("faults_agree.py", case)
-    took = time.monotonic() - started
+    ended = time.time()
     assert code == 1, out[-6000:]
     assert "trained, which it must not" not in out
     expected = {
         # Found as the kernel is created (its initial value is broadcast from the chief).
-        "model": "creating variable 'kernel': another worker created a variable of another shape",
+        "model": r"worker [01] creating variable 'kernel': another worker created a variable "
+        "of another shape",
         "options": "worker:1",
     }[case]
     # Both workers fail; the launcher may stop the second before it prints its line.
     lines = [line for line in out.splitlines() if line.startswith("[worker:")]
-    assert any("AgreementError" in line and expected in line for line in lines), out[-6000:]
-    assert took < TIMEOUT + 15 + START_UP + 60, took
+    assert any("AgreementError" in line and re.search(expected, line) for line in lines), out[
+        -6000:
+    ]
+    # From the first worker creating its strategy (the difference is there from the start,
+    # TensorFlow imported): the agreement's one wait (30 s), and a busy machine's slack.
+    starts = [float(line.split(" at ")[-1]) for line in lines if "strategy starts at " in line]
+    took = ended - min(starts)
+    assert took < 30 + 30, (took, out[-6000:])
 
 
 @pytest.mark.timeout(400)

@@ -8,6 +8,7 @@ CASE: model    worker 1 builds Dense(9) where worker 0 builds Dense(8)
 import json
 import os
 import sys
+import time
 
 import tfstrat
 
@@ -15,6 +16,7 @@ case = sys.argv[1]
 communication = sys.argv[2] if len(sys.argv) > 2 else "auto"
 me = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
 dense = "auto" if case != "options" or me == 0 else True
+print(f"strategy starts at {time.time()}", flush=True)  # the test's clock starts here
 strategy = tfstrat.CollectiveAllReduce(
     timeout=30, sparse_as_dense=dense, communication=communication
 )
