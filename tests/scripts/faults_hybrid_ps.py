@@ -6,6 +6,7 @@ Usage (under TF_CONFIG from `tfstrat launch --workers 2 --ps 1`): python faults_
 
 import os
 import signal
+import time
 
 import tfstrat
 
@@ -19,7 +20,7 @@ from common import ps_pid  # noqa: E402
 class KillPs(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if batch == 5 and strategy.worker_index == 0:
-            print("killing ps:0", flush=True)
+            print(f"killing ps:0 at {time.time()}", flush=True)  # the fault's wall clock
             os.kill(ps_pid(), signal.SIGKILL)
 
 
