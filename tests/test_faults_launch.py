@@ -270,7 +270,7 @@ GRACE = 2.0
 BLAMED = "worker:1 is the probable cause: worker:0 failed first (exit code 1)"
 
 
-def _assert_blames_worker_1(code, out, lines, end):
+def _assert_blames_worker_1(code, out, lines, end, mode):
     assert code == 1, out[-6000:]
     assert "training finished" not in out
     # The first line that reports the failure says it (when worker 1 still runs, as soon as
@@ -278,8 +278,10 @@ def _assert_blames_worker_1(code, out, lines, end):
     noticed, first = next((t, line) for t, line in lines.lines if "failed first" in line)
     assert BLAMED in first, out[-6000:]
     assert "/job:worker/replica:0/task:1" in out.rsplit(BLAMED, 1)[1], out[-6000:]
-    # Start-up, then worker 0's collective timeout and exit, then the launcher's grace period.
-    assert end - lines.start < START_SLACK + TIMEOUT + 15, out[-3000:]
+    # From worker 1's fault: worker 0's collective timeout and exit, the launcher's grace
+    # period, and a busy machine's slack.
+    fault = lines.when(f"worker 1: {mode} now")
+    assert end - fault < TIMEOUT + GRACE + 30, (end - fault, out[-3000:])
     assert end - noticed < GRACE + 10, out[-3000:]
 
 
@@ -289,7 +291,7 @@ def test_stopped_worker_is_blamed_not_the_worker_that_timed_out():
     code, out, lines, end = _launch(
         "faults_launch_peer.py", "sigstop", str(TIMEOUT), workers=2, threads_per_task=1, grace=GRACE
     )
-    _assert_blames_worker_1(code, out, lines, end)
+    _assert_blames_worker_1(code, out, lines, end, "sigstop")
 
 
 @pytest.mark.cluster
@@ -298,7 +300,7 @@ def test_worker_that_exits_0_mid_run_is_blamed():
     code, out, lines, end = _launch(
         "faults_launch_peer.py", "exit0", str(TIMEOUT), workers=2, threads_per_task=1, grace=GRACE
     )
-    _assert_blames_worker_1(code, out, lines, end)
+    _assert_blames_worker_1(code, out, lines, end, "exit0")
 
 
 @pytest.mark.cluster
