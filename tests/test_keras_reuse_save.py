@@ -49,6 +49,9 @@ def test_strategy_twice_and_save_on_every_worker(tmp_path):
             got["first_again/evaluate"], ref["first_again/evaluate"], rtol=1e-5
         )
         outcome = json.loads((tmp_path / f"worker_{w}.json").read_text())
+        # The late worker was late: worker 1 in run 2, worker 0 in run 3.
+        late = {0: "run3/late_by", 1: "run2/late_by"}[w]
+        assert outcome[late] >= 2.0, (w, outcome[late])
         refused = outcome["other_tf_config"]
         assert "127.0.0.1:1" in refused and "already runs TensorFlow's server" in refused
         assert '"index":' + str(w) in refused.replace(" ", "")

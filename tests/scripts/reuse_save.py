@@ -62,16 +62,36 @@ probe = x[:40]
 results, outcomes = {}, {}
 
 
-def run_training(strategy, late_worker, **kw):
-    """keras.io's run_training(): a strategy (made here unless given), a model, a fit."""
+def run_training(strategy, late_worker, run="", **kw):
+    """keras.io's run_training(): a strategy (made here unless given), a model, a fit. The
+    late worker starts its strategy LATE seconds after the other has started its own (a
+    marker file says when), and records by how much it was late."""
     if strategy is None and not args.reference:
+        mark = os.path.join(args.out, f"{run}.started")
         if index == late_worker:
+            other = _started(mark)
             time.sleep(LATE)  # the other worker's strategy is ready and exchanging first
+            outcomes[f"{run}/late_by"] = time.time() - other
+        else:
+            with open(mark + ".tmp", "w") as f:
+                f.write(str(time.time()))
+            os.replace(mark + ".tmp", mark)
         strategy = make_strategy(**kw)
     with (strategy or tf.distribute.get_strategy()).scope():
         model = compile_model(build_model(), optimizer("sgdm", densify=args.reference))
     model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
     return strategy, model
+
+
+def _started(mark: str, timeout: float = 120) -> float:
+    """When the other worker started its strategy (its marker file), waiting up to `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(mark):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the other worker did not start its strategy ({mark})")
+        time.sleep(0.05)
+    with open(mark) as f:
+        return float(f.read())
 
 
 def keep(name, model):
@@ -82,10 +102,10 @@ def keep(name, model):
 
 s1, m1 = run_training(first, None)
 keep("run1", m1)
-s2, m2 = run_training(None, 1)
+s2, m2 = run_training(None, 1, "run2")
 keep("run2", m2)
 extra = {"communication": "ring"} if args.strategy == "collective" else {}
-s3, m3 = run_training(None, 0, **extra)
+s3, m3 = run_training(None, 0, "run3", **extra)
 keep("run3", m3)
 # The first strategy is still referenced and still works: its model trains a third epoch.
 m1.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
