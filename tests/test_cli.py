@@ -71,10 +71,38 @@ def test_tf_config_bad_input_is_one_line_and_exit_2(args, named):
 
 
 def test_devices_json(capsys):
+    import os
+
+    import tensorflow as tf
+
     assert main(["devices", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["cpu_count"] >= 1
-    assert info["nccl"] is (info["cuda_build"] and len(info["gpus"]) >= 2)
+    # Against what the OS and TensorFlow report themselves.
+    assert info["cpu_count"] == len(os.sched_getaffinity(0))
+    gpus = tf.config.list_physical_devices("GPU")
+    assert [g["name"] for g in info["gpus"]] == [d.name for d in gpus]
+    assert info["cuda_build"] is tf.test.is_built_with_cuda()
+    assert info["nccl"] is (tf.test.is_built_with_cuda() and len(gpus) >= 2)
+
+
+@pytest.mark.parametrize(
+    "cuda_build, gpus, usable",
+    [(True, 2, True), (True, 4, True), (True, 1, False), (True, 0, False), (False, 2, False)],
+)
+def test_nccl_is_usable_with_a_cuda_build_and_two_gpus(cuda_build, gpus, usable):
+    from tfstrat.devices import GPU, DeviceInfo
+
+    info = DeviceInfo(
+        cpu_count=8,
+        physical_devices=(),
+        gpus=tuple(GPU(f"/physical_device:GPU:{i}") for i in range(gpus)),
+        cuda_build=cuda_build,
+        tpu=None,
+        tensorflow_version="2.21.0",
+        keras_version=None,
+    )
+    assert info.to_dict()["nccl"] is usable
+    assert ("NCCL usable  yes" in info.table()) is usable, info.table()
 
 
 def test_devices_table(capsys):
