@@ -180,11 +180,41 @@ def test_a_ps_table_server_answers_lookups_over_4_mib_and_names_itself_in_errors
         server.wait()
 
 
+def _lazy_reference(name, start, steps):
+    """Keras's update rule of each optimizer applied to the touched rows only, in float64 NumPy:
+    rows outside a step keep their values and slots; Adam's bias correction counts steps."""
+    w = start.astype("float64")
+    m, v = np.zeros_like(w), np.zeros_like(w)
+    accumulator = np.full_like(w, 0.1)  # Adagrad's initial_accumulator_value
+    for t, (ids, grads) in enumerate(steps):
+        rows, position = np.unique(ids, return_inverse=True)
+        g = np.zeros((len(rows), w.shape[1]))
+        np.add.at(g, position, grads.astype("float64"))
+        if name == "adam":  # Adam(0.05), beta_1 0.9, beta_2 0.999, epsilon 1e-7
+            m[rows] += (g - m[rows]) * 0.1
+            v[rows] += (g * g - v[rows]) * 0.001
+            alpha = 0.05 * np.sqrt(1 - 0.999 ** (t + 1)) / (1 - 0.9 ** (t + 1))
+            w[rows] -= m[rows] * alpha / (np.sqrt(v[rows]) + 1e-7)
+        elif name == "nesterov":  # SGD(0.1, momentum=0.9, nesterov=True)
+            m[rows] = 0.9 * m[rows] - 0.1 * g
+            w[rows] += 0.9 * m[rows] - 0.1 * g
+        elif name == "rmsprop_momentum":  # RMSprop(0.01, momentum=0.5), rho 0.9, epsilon 1e-7
+            v[rows] = 0.9 * v[rows] + 0.1 * g * g
+            m[rows] = 0.5 * m[rows] + 0.01 * g / np.sqrt(v[rows] + 1e-7)
+            w[rows] -= m[rows]
+        else:  # Adagrad(0.5), epsilon 1e-7
+            accumulator[rows] += g * g
+            w[rows] -= 0.5 * g / np.sqrt(accumulator[rows] + 1e-7)
+    return w
+
+
 @pytest.mark.cluster
 @pytest.mark.timeout(300)
 def test_a_ps_table_steps_as_a_lazy_mirrored_table_for_every_optimizer():
-    """Hybrid's ps and a worker's Keras optimizer share `tfstrat/_rowmath.py`: pushes to a real
-    table server give the rows a lazily updated mirrored table gets (tfstrat/keras/_rowwise.py)."""
+    """Pushes to a real table server (the ps's NumPy steps) and a worker's Keras optimizer on a
+    lazily updated mirrored table (tfstrat/keras/_rowwise.py) give the rows of Keras's update
+    rules written out in NumPy. Both share `tfstrat/_rowmath.py`, so neither is the other's
+    reference."""
     import os
     import subprocess
     import sys
@@ -241,6 +271,9 @@ def test_a_ps_table_steps_as_a_lazy_mirrored_table_for_every_optimizer():
                 )
             np.testing.assert_allclose(
                 table.numpy(), mirrored.numpy(), rtol=1e-6, atol=1e-7, err_msg=name
+            )
+            np.testing.assert_allclose(
+                mirrored.numpy(), _lazy_reference(name, start, steps), rtol=1e-5, err_msg=name
             )
             np.testing.assert_array_equal(table.numpy()[20:], start[20:])
     finally:
