@@ -193,7 +193,9 @@ def _lazy_reference(name, start, steps):
         if name == "adam":  # Adam(0.05), beta_1 0.9, beta_2 0.999, epsilon 1e-7
             m[rows] += (g - m[rows]) * 0.1
             v[rows] += (g * g - v[rows]) * 0.001
-            alpha = 0.05 * np.sqrt(1 - 0.999 ** (t + 1)) / (1 - 0.9 ** (t + 1))
+            # beta ** t in float32, as Keras computes it (1 - 0.999 ** t moves by 1e-5 otherwise)
+            power = np.float32(t + 1)
+            alpha = 0.05 * np.sqrt(1 - np.float32(0.999) ** power) / (1 - np.float32(0.9) ** power)
             w[rows] -= m[rows] * alpha / (np.sqrt(v[rows]) + 1e-7)
         elif name == "nesterov":  # SGD(0.1, momentum=0.9, nesterov=True)
             m[rows] = 0.9 * m[rows] - 0.1 * g
