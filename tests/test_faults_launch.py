@@ -45,9 +45,23 @@ class _Timed(io.TextIOBase):
         return next(t for t, line in self.lines if part in line)
 
 
-def _launch(*args, **config) -> tuple[int, str, _Timed, float]:
+class _Marking(_Timed):
+    """A `_Timed` that creates `path` once a line containing `part` arrives."""
+
+    def __init__(self, part: str, path):
+        super().__init__()
+        self.part, self.path = part, path
+
+    def write(self, text):
+        if self.part in text:
+            with open(self.path, "w"):
+                pass
+        return super().write(text)
+
+
+def _launch(*args, out=None, **config) -> tuple[int, str, _Timed, float]:
     """`launch` of `python SCRIPT ARGS...` from tests/scripts; (code, output, lines, end time)."""
-    out = _Timed()
+    out = out or _Timed()
     cwd = os.getcwd()
     os.chdir(SCRIPTS)  # the TensorFlow scripts import common.py from there
     try:
@@ -305,8 +319,18 @@ def test_worker_that_exits_0_mid_run_is_blamed():
 
 @pytest.mark.cluster
 @pytest.mark.timeout(START_SLACK + 180)
-def test_async_worker_that_exits_0_early_is_reported_and_the_run_still_succeeds():
-    code, out, _, _ = _launch("faults_launch_async.py", workers=2, ps=1, threads_per_task=1)
+def test_async_worker_that_exits_0_early_is_reported_and_the_run_still_succeeds(tmp_path):
+    report = "tfstrat launch: worker:1 exited 0 while worker:0 still runs."
+    reported = tmp_path / "reported"
+    code, out, _, _ = _launch(
+        "faults_launch_async.py",
+        str(reported),
+        out=_Marking(report, reported),
+        workers=2,
+        ps=1,
+        threads_per_task=1,
+    )
     assert code == 0, out[-6000:]
-    assert "tfstrat launch: worker:1 exited 0 while worker:0 still runs." in out, out[-6000:]
+    assert report in out, out[-6000:]
     assert "worker:0 finished training" in out
+    assert "worker:0 saw the launcher's report: True" in out, out[-6000:]

@@ -1,11 +1,12 @@
 """ParameterServer async with 2 workers; worker 1 exits 0 after 3 steps (run by `tfstrat launch`).
 
-Usage (under TF_CONFIG): python faults_launch_async.py
-Worker 0 trains on alone (async waits for nobody) and exits 0; the launcher must say that
-worker 1 left early.
+Usage (under TF_CONFIG): python faults_launch_async.py REPORTED
+Worker 0 trains on alone (async waits for nobody), then waits for the file REPORTED (the test
+creates it when the launcher says that worker 1 left early) and exits 0.
 """
 
 import os
+import sys
 import time
 
 import tfstrat
@@ -28,4 +29,9 @@ with strategy.scope():
     model = compile_model(build_model(), optimizer("sgd"))
 model.fit(x, y, batch_size=24, epochs=1, shuffle=False, verbose=0, callbacks=[LeaveAtStep()])
 print(f"{os.environ['TFSTRAT_TASK']} finished training", flush=True)
-time.sleep(3)  # still running well after worker 1 left, whatever the speed of the 117 steps
+# Worker 0 must still run when the launcher notices worker 1 gone, however fast its own
+# steps were; the bound only ends a run whose launcher never says so (the test then fails).
+reported, deadline = sys.argv[1], time.monotonic() + 120
+while not os.path.exists(reported) and time.monotonic() < deadline:
+    time.sleep(0.1)
+print(f"worker:0 saw the launcher's report: {os.path.exists(reported)}", flush=True)
