@@ -113,6 +113,19 @@ def test_backup_workers_drop_the_stale_gradients_of_a_held_worker(tmp_path):
     assert reports[0]["dropped"] == reports[1]["dropped"] == 0
     assert reports[2]["dropped"] >= 1
     assert all(np.isfinite(r["loss"]).all() for r in reports)
+    # Each step is SGD(0.1) on the mean of workers 0 and 1's gradients (8 rows each), which a
+    # plain Keras copy computed at the step's weights; worker 2's is left out.
+    steps = np.load(tmp_path / "steps.npz")
+    weights = sum(1 for n in steps.files if n.startswith("step0/before/"))
+    all_three = []
+    for s in range(20):
+        for k in range(weights):
+            before, after = steps[f"step{s}/before/{k}"], steps[f"step{s}/after/{k}"]
+            g0, g1, g2 = (steps[f"step{s}/grad{w}/{k}"] for w in range(3))
+            want = before - 0.1 * (g0 + g1) / 2
+            np.testing.assert_allclose(after, want, rtol=1e-6, atol=1e-7, err_msg=f"{s}/{k}")
+            all_three.append(np.abs(after - (before - 0.1 * (g0 + g1 + g2) / 3)).max())
+    assert max(all_three) > 1e-4, max(all_three)  # worker 2's gradient would have shown
     # An explicit AutoShardPolicy.FILE, which ParameterServer cannot honour, is refused.
     assert "auto_shard_policy=FILE under ParameterServer" in reports[0]["file_policy_error"]
 

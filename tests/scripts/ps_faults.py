@@ -5,7 +5,9 @@ Usage (under TF_CONFIG):
                                               worker must then fail, naming the ps
     python ps_faults.py OUT backup            sync, 2 of 3 gradients per step; the test holds
                                               worker 2 back (TFSTRAT_TEST_HOLD_WORKER=2)
-Writes OUT/<task>.json (iterations, dropped, loss) when training ends.
+Writes OUT/<task>.json (iterations, dropped, loss) when training ends; in backup, worker 0
+also writes OUT/steps.npz: the weights before and after each step, and the gradient of each
+worker's rows at the weights before it, from a plain Keras copy of the model.
 """
 
 import json
@@ -13,6 +15,8 @@ import os
 import signal
 import sys
 import time
+
+import numpy as np
 
 import tfstrat
 
@@ -46,15 +50,48 @@ try:
 except ValueError as e:
     file_policy_error = str(e)
 
+
+class RecordSteps(keras.callbacks.Callback):
+    """On worker 0, whose own gradient every step waits for: the weights at a batch's begin
+    are those the step reads, at its end those the step wrote."""
+
+    def __init__(self):
+        super().__init__()
+        self.plain = build_model()  # outside the scope: one device, no tfstrat
+        self.loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        self.arrays = {}
+
+    def on_train_batch_begin(self, batch, logs=None):
+        weights = self.model.get_weights()
+        self.plain.set_weights(weights)
+        for w in range(3):  # worker w trains on rows [8w, 8w + 8) of each batch of 24
+            at = batch * 24 + w * 8
+            with tf.GradientTape() as tape:
+                loss = self.loss(y[at : at + 8], self.plain(x[at : at + 8], training=True))
+            grads = tape.gradient(loss, self.plain.trainable_variables)
+            for k, g in enumerate(grads):
+                self.arrays[f"step{batch}/grad{w}/{k}"] = tf.convert_to_tensor(g).numpy()
+        for k, value in enumerate(weights):
+            self.arrays[f"step{batch}/before/{k}"] = value
+
+    def on_train_batch_end(self, batch, logs=None):
+        for k, value in enumerate(self.model.get_weights()):
+            self.arrays[f"step{batch}/after/{k}"] = value
+
+
 steps = 200 if scenario == "kill-ps" else 20
 x, y = data(24 * steps)
 with strategy.scope():
     model = compile_model(build_model(), optimizer("sgd"))
 callbacks = [KillPsAtStep()] if scenario == "kill-ps" else []
+record = RecordSteps() if scenario == "backup" and strategy.worker_index == 0 else None
+callbacks += [record] if record else []
 history = model.fit(x, y, batch_size=24, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
 if scenario == "kill-ps":
     print("training finished, which it must not")
 task = os.environ["TFSTRAT_TASK"].replace(":", "_")
+if record is not None:
+    np.savez(os.path.join(out, "steps.npz"), **record.arrays)
 with open(os.path.join(out, f"{task}.json"), "w") as f:
     json.dump(
         {
