@@ -78,14 +78,16 @@ def test_bytes_per_step_drop_with_sync_every(cluster_run):
     params_bytes = 4 * reports[0]["bytes"]["params"]
     assert sent["4"] < sent["1"] / 3, sent
     assert sent["16"] < sent["4"] / 2, sent
-    # Nothing between sync points: at 16 a step costs a 16th of a sync, within 10% (the
-    # rest: the epoch's metric reads and the coordination service's heartbeats).
-    assert sent["16"] <= 1.1 * sent["1"] / 16, sent
+    # Counted on the ring's sockets only. Nothing between sync points: at 16 a step costs a
+    # 16th of a sync plus under 16 bytes (the epoch's metric reads and stop agreement, spread
+    # over its steps); one ring call more per step would add a header each way, 16 bytes or
+    # more each.
+    assert sent["16"] <= sent["1"] / 16 + 16, sent
     # sync_every=1 moves what CollectiveAllReduce does (one all-reduce of the weights or the
-    # gradients a step); both at least the ring's 2(n-1)/n x size = size on 2 workers, sent
-    # and received.
+    # gradients a step): the ring's 2(n-1)/n x size = size on 2 workers, sent and received,
+    # and headers within 1% of it.
     assert 0.8 * sent["collective"] < sent["1"] < 1.25 * sent["collective"], sent
-    assert sent["1"] >= 1.9 * params_bytes, sent
+    assert 2 * params_bytes <= sent["1"] <= 1.01 * 2 * params_bytes, (sent, params_bytes)
 
 
 @pytest.mark.cluster
