@@ -29,21 +29,19 @@ strategy = (
     if args.reference
     else tfstrat.CollectiveAllReduce(timeout=60, communication=args.communication)
 )
-# Every call of the TCP ring, by size (wrapped before any step is traced, which captures it).
+# Every exchange of the TCP ring: the size summed (-1: none) and the blocks gathered
+# (wrapped before any step is traced, which captures it).
 ring_sizes, ring_gathers = [], []
 ring = strategy.extended._cross_device_ops.ring if strategy else None
 if ring is not None:
-    ring_all_reduce, ring_all_gather = ring.all_reduce, ring.all_gather
+    ring_exchange = ring.exchange
 
-    def counted(x):
-        ring_sizes.append(x.size)
-        return ring_all_reduce(x)
+    def counted(reduce, gathers):
+        ring_sizes.append(-1 if reduce is None else reduce.size)
+        ring_gathers.append(len(gathers))
+        return ring_exchange(reduce, gathers)
 
-    def counted_gather(x):
-        ring_gathers.append(x.shape)
-        return ring_all_gather(x)
-
-    ring.all_reduce, ring.all_gather = counted, counted_gather
+    ring.exchange = counted
 
 import tensorflow as tf  # noqa: E402
 from common import build_model, compile_model, data, optimizer  # noqa: E402
@@ -104,7 +102,7 @@ probe.fit(ids[:, None], np.zeros(240, "float32"), batch_size=24, epochs=1, shuff
 results["shuffle/times_seen"] = -probe.layers[0].embeddings.numpy()[:, 0] * 24  # up to a constant
 
 results["ring/sizes"] = np.array(ring_sizes, np.int64)
-results["ring/gathers"] = np.array(len(ring_gathers))
+results["ring/gathers"] = np.array(ring_gathers, np.int64)
 results["dense_params"] = np.array(
     sum(w.numpy().size for w in build_model().weights if "embedding" not in w.path)
 )

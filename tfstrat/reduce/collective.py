@@ -44,12 +44,10 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
         #: (a training step's gradients, when the last function traced was a train step).
         self.last_call: list[tuple[str, int]] = []
 
-    def _record(self, replica_id, kind, shapes, tensors):
+    def _record(self, replica_id, kind, shapes, nbytes):
         if replica_id != 0 or tf.executing_eagerly():  # traced steps only, not metric reads
             return
         self.traced.append((kind, shapes))
-        # A tensor of unknown static size counts 0: a lower bound, never a crash.
-        nbytes = sum((t.shape.num_elements() or 0) * t.dtype.size for t in tensors)
         self.last_call.append((kind, nbytes))
 
     def bytes_sent_per_worker(self) -> int:
@@ -76,17 +74,30 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
                 if densify:
                     del rows[i]
         dense_at = [i for i in range(len(flat)) if i not in rows]
-        if dense_at:
-            dense = [flat[i] for i in dense_at]
-            self._record(replica_id, "all_reduce", [tuple(t.shape) for t in dense], dense)
-            if self._ring_carries(dense):
-                reduced = self._ring_all_reduce(reduce_op, dense)
-            else:
-                reduced = super()._all_reduce(reduce_op, dense, replica_id, options)
-            for i, r in zip(dense_at, reduced):
+        dense = [flat[i] for i in dense_at]
+        if dense:
+            # A tensor of unknown static size counts 0: a lower bound, never a crash.
+            nbytes = sum((t.shape.num_elements() or 0) * t.dtype.size for t in dense)
+            self._record(replica_id, "all_reduce", [tuple(t.shape) for t in dense], nbytes)
+        # Everything the TCP ring can carry goes in one exchange: the step waits once.
+        by_ring = dense_at if dense and self._ring_carries(dense) else []
+        packed = {i: n for i, n in rows.items() if self.ring is not None and _packable(flat[i])}
+        if by_ring or packed:
+            summed, gathered = self._ring_exchange(
+                reduce_op, [flat[i] for i in by_ring], {i: flat[i] for i in packed}, replica_id
+            )
+            for i, r in zip(by_ring, summed):
+                flat[i] = r
+            for i, g in gathered.items():
+                flat[i] = g
+        rest = [i for i in dense_at if i not in by_ring]
+        if rest:
+            reduced = super()._all_reduce(reduce_op, [flat[i] for i in rest], replica_id, options)
+            for i, r in zip(rest, reduced):
                 flat[i] = r
         for i, n in rows.items():
-            flat[i] = self._gather_slices(reduce_op, flat[i], n, replica_id, options)
+            if i not in packed:
+                flat[i] = self._gather_slices(reduce_op, flat[i], n, replica_id, options)
         return nest.pack_sequence_as(value, flat)
 
     def _ring_carries(self, dense) -> bool:
@@ -94,8 +105,9 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
         static = all(t.shape.is_fully_defined() for t in dense)
         return self.ring is not None and static and len(dtypes) == 1 and dtypes.pop().is_floating
 
-    def _ring_call(self, fn, tensor, shape, name):
-        """`fn(tensor)` (a ring method) in the graph, after the graph's previous ring call.
+    def _ring_call(self, fn, inputs, shapes, name):
+        """`fn(*inputs)` (NumPy arrays in, a list of arrays out) in the graph, after the
+        graph's previous ring call; returns the outputs with `shapes`.
 
         Ring calls must run in the same order on every worker: within a graph each one waits
         for the previous (control dependency); graphs and eager calls run one at a time.
@@ -103,44 +115,81 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
         graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
         last = self._last_ring_op.get(graph) if graph is not None else None
         with tf.control_dependencies([last] if last is not None else []):
-            out = tf.numpy_function(fn, [tensor], tensor.dtype, stateful=True, name=name)
+            outs = tf.numpy_function(
+                fn, inputs, [t.dtype for t in inputs], stateful=True, name=name
+            )
+        outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]  # one: not a list
         if graph is not None:
-            self._last_ring_op[graph] = out.op
-        out.set_shape(shape)
-        return out
+            self._last_ring_op[graph] = outs[0].op
+        for out, shape in zip(outs, shapes):
+            out.set_shape(shape)
+        return outs
 
-    def _ring_all_reduce(self, reduce_op, dense):
-        """One TCP ring all-reduce for every dense tensor: packed into one flat vector."""
-        with tf.device(self._devices[0]):
-            flat = tf.concat([tf.reshape(t, [-1]) for t in dense], 0)
-            summed = self._ring_call(self.ring.all_reduce, flat, flat.shape, "tcp_all_reduce")
-            if reduce_op == tf.distribute.ReduceOp.MEAN:
-                summed = summed / self._group_size
-            parts = tf.split(summed, [t.shape.num_elements() for t in dense])
-            return [tf.reshape(p, t.shape) for p, t in zip(parts, dense)]
+    def _ring_exchange(self, reduce_op, dense, slices, replica_id):
+        """One TCP ring exchange for a step: every dense tensor packed into one flat vector
+        and summed, and every sparse gradient's deduplicated rows gathered (of any count:
+        no padding). Returns the reduced dense tensors and `{position: IndexedSlices}`."""
+        ring, k = self.ring, len(dense)
+        with tf.device(self._devices[replica_id]):
+            inputs, shapes = [], []
+            if dense:
+                flat = tf.concat([tf.reshape(t, [-1]) for t in dense], 0)
+                inputs.append(flat)
+                shapes.append(flat.shape)
+            for v in slices.values():
+                packed = sparse.pack_rows(v, None)
+                rows = sparse.static_rows(v)
+                if rows is not None:  # an upper bound: the ring sends the deduplicated rows
+                    self._record(
+                        replica_id,
+                        "all_gather",
+                        (rows, packed.shape[1]),
+                        rows * packed.shape[1] * 4,
+                    )
+                inputs.append(packed)
+                shapes.append([None, packed.shape[1]])
+
+            def exchange(*arrays):
+                summed, gathered = ring.exchange(
+                    arrays[0] if k else None, list(arrays[1 if k else 0 :])
+                )
+                return ([summed] if k else []) + gathered
+
+            outs = self._ring_call(exchange, inputs, shapes, "tcp_exchange")
+            reduced = []
+            if dense:
+                summed = outs[0]
+                if reduce_op == tf.distribute.ReduceOp.MEAN:
+                    summed = summed / self._group_size
+                parts = tf.split(summed, [t.shape.num_elements() for t in dense])
+                reduced = [tf.reshape(p, t.shape) for p, t in zip(parts, dense)]
+            gathered = {}
+            for (i, v), everyone in zip(slices.items(), outs[1 if dense else 0 :]):
+                g = sparse.unpack_rows(everyone, v)
+                if reduce_op == tf.distribute.ReduceOp.MEAN:
+                    g = tf.IndexedSlices(g.values / self._group_size, g.indices, g.dense_shape)
+                gathered[i] = g
+        return reduced, gathered
 
     def _gather_slices(self, reduce_op, slices, rows, replica_id, options):
+        """A sparse gradient over TensorFlow's collectives (no TCP ring)."""
         launcher = self._launchers[replica_id]
-        row_shape = slices.values.shape[1:]
-        packable = slices.values.dtype == tf.float32 and row_shape.is_fully_defined()
         with tf.device(self._devices[replica_id]):
-            if packable and self.ring is not None:
-                # The TCP ring takes blocks of any row count (a dataset's last batch, say).
-                packed = sparse.pack_rows(slices, rows)
-                if rows is not None:
-                    self._record(replica_id, "all_gather", tuple(packed.shape), [packed])
-                shape = [None if rows is None else self._group_size * rows, packed.shape[1]]
-                everyone = self._ring_call(self.ring.all_gather, packed, shape, "tcp_all_gather")
-                gathered = sparse.unpack_rows(everyone, slices)
-            elif rows is None or not packable:
+            if rows is None or not _packable(slices):
                 # Row count unknown or not float32: TensorFlow's 3-collective padded gather.
                 gathered = sparse.dedup(launcher.all_reduce_indexed_slices(slices, options))
             else:
                 packed = sparse.pack_rows(slices, rows)
-                self._record(replica_id, "all_gather", tuple(packed.shape), [packed])
+                nbytes = packed.shape.num_elements() * 4
+                self._record(replica_id, "all_gather", tuple(packed.shape), nbytes)
                 gathered = sparse.unpack_rows(launcher.all_gather(packed, 0, options), slices)
             if reduce_op == tf.distribute.ReduceOp.MEAN:
                 gathered = tf.IndexedSlices(
                     gathered.values / self._group_size, gathered.indices, gathered.dense_shape
                 )
         return gathered
+
+
+def _packable(slices: tf.IndexedSlices) -> bool:
+    """Whether `sparse.pack_rows` can carry the gradient: float32 rows of a static width."""
+    return slices.values.dtype == tf.float32 and slices.values.shape[1:].is_fully_defined()

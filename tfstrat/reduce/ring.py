@@ -1,20 +1,33 @@
-"""A ring all-reduce over plain TCP sockets between the workers: tfstrat's "tcp" transport.
+"""All-reduce and all-gather over plain TCP sockets between the workers: tfstrat's "tcp"
+transport.
 
 TensorFlow's collectives between two local processes take 2-3 ms even for 4 bytes and carry
-about 0.2 GB/s over gRPC, where one loopback TCP stream carries about 4 GB/s (`tfstrat bench
-allreduce`). This is the classic ring (reduce-scatter, then all-gather: each worker sends
-2(n-1)/n of the data) on one TCP connection to the next worker, with NumPy doing the sums; and
-the ring all-gather that carries packed sparse rows.
+about 0.2-0.4 GB/s over gRPC, where one loopback TCP stream carries 4-5 GB/s (`tfstrat bench
+allreduce`). Each worker holds one TCP connection from the previous worker and one to the next.
 
-Every message carries a header (call number, bytes), so workers that disagree on what they
-are reducing fail with an error naming both sides instead of mixing data. Every socket
-operation has the strategy's timeout.
+One call, `Ring.exchange`, carries everything a training step sends: a dense vector to sum and
+any number of blocks of rows to gather (sparse gradients), so a step waits for its peers once.
+- **2 workers**: each sends the other its whole vector and its blocks in one message, and sums
+  as the bytes arrive (x0 + x1 on one, x1 + x0 on the other: the same bits, addition being
+  commutative). The bytes are the ring's (S each way) in one round instead of two.
+- **3+ workers**: the classic ring (reduce-scatter, then all-gather: each worker sends
+  2(n-1)/n of the vector); the blocks travel with the reduce-scatter's messages.
+
+One thread does it all with non-blocking sockets (poll: send what the kernel takes, receive
+what has come, sum what is complete), so no thread hand-off sits on the step's path and the
+sum overlaps the transfer. Buffers are kept between calls: a step's exchange allocates nothing
+but the gathered blocks (no page faults on fresh memory, TensorFlow copies what the call
+returns).
+
+Every message carries a header (call number, its parts' sizes), so workers that disagree on
+what they exchange fail with an error naming both sides instead of mixing data. A call fails
+when no byte moves for the ring's timeout, naming the peer it waits for.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
+import select
 import socket
 import struct
 import threading
@@ -26,8 +39,13 @@ from tfstrat import _ports
 
 logger = logging.getLogger(__name__)
 
-_HEADER = struct.Struct("!QQ")  # call number, payload bytes
+_HEADER = struct.Struct("!QI")  # call number, number of parts; then one "!Q" size per part
+_SIZE = struct.Struct("!Q")
 _HELLO = struct.Struct("!II")  # sender rank, group size
+# A message at least this large is sent by a thread while the caller receives.
+_THREAD_BYTES = 1 << 18
+# Sums are done in pieces of at least this many bytes as they arrive (fewer numpy calls).
+_SUM_PIECE = 1 << 16
 
 
 class RingError(RuntimeError):
@@ -41,7 +59,7 @@ class Ring:
         rank: this worker's index.
         addresses: "host:port" of every worker's ring listener, by rank.
         listener: this worker's bound, listening socket (at addresses[rank]).
-        timeout: seconds any connect, send or receive may take.
+        timeout: seconds a call may go without a byte moving (and any connect may take).
         names: how errors name each worker (e.g. TensorFlow's "/job:worker/replica:0/task:1").
     """
 
@@ -59,74 +77,65 @@ class Ring:
         self.names = [f"{n} (ring at {a})" for n, a in zip(names, addresses)]
         self.calls = 0
         self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._buffers: dict[tuple, np.ndarray] = {}
         nxt, prev = (rank + 1) % self.size, (rank - 1) % self.size
         self._next = _connect(addresses[nxt], timeout, self.names[nxt])
         self._next.sendall(_HELLO.pack(rank, self.size))
         self._prev = _accept(listener, timeout, prev, self.size, self.names[prev])
         listener.close()
-        self._error: BaseException | None = None
-        self._sends: queue.Queue = queue.Queue()
-        self._sent: queue.Queue = queue.Queue()
-        threading.Thread(target=self._send_loop, name="tfstrat-ring-send", daemon=True).start()
+        for s in (self._next, self._prev):
+            s.setblocking(False)
+        self._poll = select.poll()
+        self._sender = _Sender(self)
+
+    @property
+    def _next_name(self) -> str:
+        return self.names[(self.rank + 1) % self.size]
+
+    @property
+    def _prev_name(self) -> str:
+        return self.names[(self.rank - 1) % self.size]
 
     def all_reduce(self, x: np.ndarray) -> np.ndarray:
         """Sum of `x` over every worker (same shape and dtype on all), as a new array."""
-        return self._call(self._all_reduce, x)
+        return self.exchange(x, [])[0].copy()
 
     def all_gather(self, x: np.ndarray) -> np.ndarray:
         """Every worker's `x` concatenated along axis 0, by rank. The workers' `x` share their
         dtype and the shape of a row (`x.shape[1:]`); the row counts may differ."""
-        return self._call(self._all_gather, x)
+        return self.exchange(None, [x])[1][0]
 
-    def _call(self, fn, x):
-        """One call at a time; after a failure the ring is broken for good (a half-read
-        message would otherwise be taken for the next call's), and says why."""
+    def exchange(
+        self, reduce: np.ndarray | None, gathers: list[np.ndarray]
+    ) -> tuple[np.ndarray | None, list[np.ndarray]]:
+        """One round for a whole step: the sum of `reduce` over every worker (None: none), and
+        for each of `gathers` every worker's block concatenated along axis 0 by rank (as
+        `all_gather`). The summed array is the ring's own buffer, valid until the next call:
+        copy it to keep it."""
         with self._lock:
             if self._error is not None:
                 raise RingError(f"the ring failed earlier and cannot be used: {self._error}")
             self.calls += 1
             try:
-                return fn(np.asarray(x))
+                # asarray first: ascontiguousarray makes a 0-d array 1-d
+                gathers = [np.ascontiguousarray(np.asarray(g)) for g in gathers]
+                if reduce is not None:
+                    reduce = np.asarray(reduce)
+                    reduce = reduce if reduce.flags.c_contiguous else reduce.copy()
+                if self.size == 1:
+                    summed = None if reduce is None else np.array(reduce, copy=True)
+                    return summed, [g.copy() for g in gathers]
+                if self.size == 2:
+                    return self._pair(reduce, gathers)
+                return self._ring(reduce, gathers)
             except BaseException as e:
                 self._error = e
                 raise
 
-    def _all_reduce(self, x: np.ndarray) -> np.ndarray:
-        out = np.array(x, copy=True).reshape(-1)
-        if self.size == 1 or out.size == 0:
-            return out.reshape(x.shape)
-        n, r = self.size, self.rank
-        bounds = np.linspace(0, out.size, n + 1).astype(np.int64)
-        chunk = lambda i: out[bounds[i % n] : bounds[i % n + 1]]  # noqa: E731
-        scratch = np.empty(bounds[1] - bounds[0] + 1, out.dtype)
-        for step in range(n - 1):  # reduce-scatter: chunk r+1 ends up summed here
-            incoming = chunk(r - step - 1)
-            self._send(chunk(r - step))
-            buf = scratch[: incoming.size]
-            self._recv(buf)
-            self._wait_sent()
-            np.add(incoming, buf, out=incoming)
-        for step in range(n - 1):  # all-gather: pass the summed chunks around
-            self._send(chunk(r + 1 - step))
-            self._recv(chunk(r - step))
-            self._wait_sent()
-        return out.reshape(x.shape)
-
-    def _all_gather(self, x: np.ndarray) -> np.ndarray:
-        n, r = self.size, self.rank
-        blocks = [None] * n
-        blocks[r] = np.ascontiguousarray(x)
-        for step in range(n - 1):  # pass each block on until it has gone round
-            self._send(blocks[(r - step) % n])
-            blocks[(r - step - 1) % n] = self._recv_rows(x.dtype, x.shape[1:])
-            self._wait_sent()
-        return np.concatenate(blocks, axis=0)
-
     def set_timeout(self, timeout: float) -> None:
-        """Every later send and receive may take up to `timeout` seconds."""
+        """Every later call may go up to `timeout` seconds without a byte moving."""
         self.timeout = timeout
-        for s in (self._next, self._prev):
-            s.settimeout(timeout)
 
     def close(self):
         for s in (self._next, self._prev):
@@ -134,71 +143,354 @@ class Ring:
                 s.close()
             except OSError:
                 pass
-        self._sends.put(None)
 
-    # -- framing ------------------------------------------------------------------------
+    # -- the two algorithms ----------------------------------------------------------------
 
-    def _send(self, array: np.ndarray):
-        self._sends.put((self.calls, array))
+    def _pair(self, reduce, gathers):
+        """Two workers: one message each way holds everything; sum as it arrives."""
+        r = self.rank
+        parts, receive = [], []
+        summed = None
+        if reduce is not None:
+            flat = reduce.reshape(-1)
+            summed = self._buffer("sum", flat.shape, flat.dtype)
+            parts.append(_bytes_of(flat))
+            scratch = self._buffer("scratch", flat.shape, flat.dtype)
+            receive.append(_Summing(scratch, flat, summed))
+        gathered = []
+        for g in gathers:
+            parts.append(_bytes_of(g))
+            receive.append(_Rows(g, r, 2))
+        self._duplex(parts, receive)
+        for target in receive[1 if reduce is not None else 0 :]:
+            gathered.append(target.result())
+        if summed is not None:
+            summed = summed.reshape(reduce.shape)
+        return summed, gathered
 
-    def _wait_sent(self):
-        try:  # the header and the payload may each take up to the timeout
-            error = self._sent.get(timeout=2 * self.timeout + 1)
-        except queue.Empty:
-            error = (
-                f"sending to {self.names[(self.rank + 1) % self.size]} took over {self.timeout} s"
-            )
-        if error:
-            raise RingError(error)
-
-    def _send_loop(self):
-        while (item := self._sends.get()) is not None:
-            call, array = item
-            try:
-                data = _bytes_of(np.ascontiguousarray(array))
-                self._next.sendall(_HEADER.pack(call, data.nbytes))
-                self._next.sendall(data)
-                self._sent.put(None)
-            except Exception as e:  # noqa: BLE001 (handed to the waiting call)
-                self._sent.put(
-                    f"sending to {self.names[(self.rank + 1) % self.size]} failed: {e!r}"
+    def _ring(self, reduce, gathers):
+        """3+ workers: reduce-scatter then all-gather around the ring; the blocks to gather
+        ride with the reduce-scatter's messages (each goes n-1 hops)."""
+        n, r = self.size, self.rank
+        blocks = [[None] * n for _ in gathers]
+        for b, g in zip(blocks, gathers):
+            b[r] = g
+        summed = chunk = None
+        if reduce is not None:
+            flat = reduce.reshape(-1)
+            summed = self._buffer("sum", flat.shape, flat.dtype)
+            bounds = np.linspace(0, flat.size, n + 1).astype(np.int64)
+            chunk = lambda a, i: a[bounds[i % n] : bounds[i % n + 1]]  # noqa: E731
+            scratch = self._buffer("scratch", (int(bounds[1] - bounds[0]) + 1,), flat.dtype)
+        for step in range(n - 1):
+            parts, receive = [], []
+            if reduce is not None:  # reduce-scatter: chunk r+1 ends up summed here
+                sent = chunk(flat if step == 0 else summed, r - step)
+                incoming = r - step - 1
+                parts.append(_bytes_of(sent))
+                size = chunk(flat, incoming).size
+                receive.append(
+                    _Summing(scratch[:size], chunk(flat, incoming), chunk(summed, incoming))
                 )
+            for b, g in zip(blocks, gathers):
+                parts.append(_bytes_of(b[(r - step) % n]))
+                receive.append(_Rows(g, None, None))
+            self._duplex(parts, receive)
+            for b, target in zip(blocks, receive[len(receive) - len(gathers) :]):
+                b[(r - step - 1) % n] = target.result()
+        if reduce is not None:
+            for step in range(n - 1):  # all-gather: pass the summed chunks around
+                target = chunk(summed, r - step)
+                self._duplex([_bytes_of(chunk(summed, r + 1 - step))], [_Into(target)])
+            summed = summed.reshape(reduce.shape)
+        return summed, [np.concatenate(b, axis=0) for b in blocks]
 
-    def _recv(self, buf: np.ndarray):
-        self._recv_header(buf.nbytes)
-        prev = self.names[(self.rank - 1) % self.size]
-        _read_into(self._prev, _bytes_of(buf), prev, self.timeout)
-
-    def _recv_rows(self, dtype, row_shape) -> np.ndarray:
-        """A block of whole rows of `row_shape`, as many as the sender sent."""
-        row_bytes = int(np.prod(row_shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        nbytes = self._recv_header(None, row_bytes)
-        buf = np.empty((nbytes // row_bytes if row_bytes else 0, *row_shape), dtype)
-        prev = self.names[(self.rank - 1) % self.size]
-        _read_into(self._prev, _bytes_of(buf), prev, self.timeout)
+    def _buffer(self, name: str, shape, dtype) -> np.ndarray:
+        """A buffer kept between calls (fresh memory would be page-faulted in every step)."""
+        key = (name, tuple(shape), np.dtype(dtype))
+        buf = self._buffers.get(key)
+        if buf is None:
+            for old in [k for k in self._buffers if k[0] == name]:
+                del self._buffers[old]  # one size per kind: a model's step repeats its sizes
+            buf = self._buffers[key] = np.empty(shape, dtype)
         return buf
 
-    def _recv_header(self, nbytes_expected: int | None, multiple_of: int = 1) -> int:
-        prev = self.names[(self.rank - 1) % self.size]
-        call, nbytes = _HEADER.unpack(_read(self._prev, _HEADER.size, prev, self.timeout))
-        fits = (
-            nbytes == nbytes_expected
-            if nbytes_expected is not None
-            else (nbytes % multiple_of == 0 if multiple_of else nbytes == 0)
+    # -- one duplex round: send `parts` to the next worker, receive into `receive` ------------
+
+    def _duplex(self, parts: list[memoryview], receive: list):
+        header = _HEADER.pack(self.calls, len(parts)) + b"".join(
+            _SIZE.pack(p.nbytes) for p in parts
         )
-        if call != self.calls or not fits:
-            expected = (
-                f"{nbytes_expected} bytes"
-                if nbytes_expected is not None
-                else f"a multiple of {multiple_of} bytes"
-            )
-            raise RingError(
-                f"{prev} sent call {call} with {nbytes} bytes; {self.names[self.rank]} "
-                f"expected call {self.calls} with {expected}. The workers are at different "
-                "places of their programs: a worker stopped early (stop_training, an "
-                "exception, or the end of its data), or they run different programs or models."
-            )
-        return nbytes
+        outgoing = [memoryview(header)] + [p for p in parts if p.nbytes]
+        incoming = _Incoming(self, receive)
+        if sum(p.nbytes for p in parts) >= _THREAD_BYTES:
+            # Large: the kernel's copies of the send and of the receive run on two cores.
+            self._sender.send(outgoing)
+            try:
+                self._receive(incoming)
+            finally:
+                self._sender.wait()
+            return
+        poll = self._poll
+        poll.register(self._next, select.POLLOUT)
+        poll.register(self._prev, select.POLLIN)
+        sending = receiving = True
+        try:
+            while True:
+                if sending and not self._send_some(outgoing):
+                    sending = False
+                    poll.unregister(self._next)
+                if receiving and incoming.receive_some():
+                    receiving = False
+                    poll.unregister(self._prev)
+                if not (sending or receiving):
+                    return
+                if not poll.poll(self.timeout * 1000):
+                    raise RingError(
+                        f"{self._prev_name} sent nothing for {self.timeout} s"
+                        if receiving
+                        else f"sending to {self._next_name} took over {self.timeout} s"
+                    )
+        finally:
+            for s in (self._next, self._prev):
+                try:
+                    poll.unregister(s)
+                except KeyError:
+                    pass
+
+    def _receive(self, incoming: _Incoming):
+        poll = self._poll
+        poll.register(self._prev, select.POLLIN)
+        try:
+            while not incoming.receive_some():
+                if not poll.poll(self.timeout * 1000):
+                    raise RingError(f"{self._prev_name} sent nothing for {self.timeout} s")
+        finally:
+            poll.unregister(self._prev)
+
+    def _send_some(self, outgoing: list[memoryview]) -> bool:
+        """Sends what the kernel takes now; False once everything is sent."""
+        while outgoing:
+            try:
+                sent = self._next.sendmsg(outgoing[:64])
+            except BlockingIOError:
+                return True
+            except OSError as e:
+                raise RingError(f"sending to {self._next_name} failed: {e!r}") from e
+            while sent and outgoing:
+                head = outgoing[0]
+                if sent >= head.nbytes:
+                    sent -= head.nbytes
+                    outgoing.pop(0)
+                else:
+                    outgoing[0] = head[sent:]
+                    sent = 0
+        return False
+
+
+class _Sender:
+    """The thread that sends a large message while the caller receives the previous
+    worker's."""
+
+    def __init__(self, ring: Ring):
+        self.ring = ring
+        self.poll = select.poll()
+        self.work = threading.Condition()
+        self.outgoing: list | None = None
+        self.error: str | None = None
+        self.busy = False
+        threading.Thread(target=self._loop, name="tfstrat-ring-send", daemon=True).start()
+
+    def send(self, outgoing: list[memoryview]):
+        with self.work:
+            self.outgoing, self.error, self.busy = outgoing, None, True
+            self.work.notify_all()
+
+    def wait(self):
+        ring = self.ring
+        with self.work:  # the sender's own poll gives up after the timeout; this is a backstop
+            if not self.work.wait_for(lambda: not self.busy, 2 * ring.timeout + 1):
+                self.error = f"sending to {ring._next_name} took over {ring.timeout} s"
+        if self.error:
+            raise RingError(self.error)
+
+    def _loop(self):
+        ring = self.ring
+        while True:
+            with self.work:
+                self.work.wait_for(lambda: self.outgoing is not None)
+                outgoing, self.outgoing = self.outgoing, None
+            error = None
+            try:
+                self.poll.register(ring._next, select.POLLOUT)
+                while ring._send_some(outgoing):
+                    if not self.poll.poll(ring.timeout * 1000):
+                        error = f"sending to {ring._next_name} took over {ring.timeout} s"
+                        break
+            except (RingError, OSError, ValueError) as e:  # ValueError: closed meanwhile
+                error = str(e)
+            finally:
+                try:
+                    self.poll.unregister(ring._next)
+                except (KeyError, ValueError):
+                    pass
+            with self.work:
+                self.error, self.busy = error, False
+                self.work.notify_all()
+
+
+class _Incoming:
+    """The receiving side of one duplex round: the header, then each part into its target."""
+
+    def __init__(self, ring: Ring, targets: list):
+        self.ring, self.targets = ring, targets
+        self.header = bytearray(_HEADER.size + _SIZE.size * len(targets))
+        self.got = 0  # bytes of the header read
+        self.part = -1  # index of the part being read (-1: the header)
+        self.done = False
+
+    def receive_some(self) -> bool:
+        """Reads what has come; True once every part is in."""
+        ring = self.ring
+        while not self.done:
+            if self.part >= 0:
+                view = self.targets[self.part].view()
+            elif self.got < _HEADER.size:  # the count first: the sizes' length depends on it
+                view = memoryview(self.header)[self.got : _HEADER.size]
+            else:
+                view = memoryview(self.header)[self.got :]
+            try:
+                n = ring._prev.recv_into(view)
+            except BlockingIOError:
+                return False
+            except OSError as e:
+                raise RingError(f"receiving from {ring._prev_name} failed: {e!r}") from e
+            if n == 0:
+                raise RingError(
+                    f"{ring._prev_name} closed the connection: it failed or stopped early "
+                    "(stop_training, an exception, or the end of its data); its own output "
+                    "says why"
+                )
+            if self.part >= 0:
+                target = self.targets[self.part]
+                target.received(n)
+                if target.full:
+                    target.finish()
+                    self._next_part()
+                continue
+            self.got += n
+            if self.got == _HEADER.size:
+                self._check_count()
+            if self.got == len(self.header):
+                self._check_sizes()
+                self._next_part()
+        return True
+
+    def _next_part(self):
+        self.part += 1
+        while self.part < len(self.targets) and self.targets[self.part].full:
+            self.targets[self.part].finish()  # an empty part
+            self.part += 1
+        self.done = self.part >= len(self.targets)
+
+    def _check_count(self):
+        call, count = _HEADER.unpack_from(self.header)
+        if call != self.ring.calls or count != len(self.targets):
+            self._mismatch(f"call {call} with {count} part(s)", f"{len(self.targets)} part(s)")
+
+    def _check_sizes(self):
+        for i, target in enumerate(self.targets):
+            (nbytes,) = _SIZE.unpack_from(self.header, _HEADER.size + i * _SIZE.size)
+            if not target.accepts(nbytes):
+                self._mismatch(f"call {self.ring.calls} with {nbytes} bytes", target.expected)
+
+    def _mismatch(self, sent: str, expected: str):
+        ring = self.ring
+        raise RingError(
+            f"{ring._prev_name} sent {sent}; {ring.names[ring.rank]} expected call "
+            f"{ring.calls} with {expected}. The workers are at different places of their "
+            "programs: a worker stopped early (stop_training, an exception, or the end of its "
+            "data), or they run different programs or models."
+        )
+
+
+class _Into:
+    """A part received straight into a fixed array."""
+
+    def __init__(self, target: np.ndarray):
+        self.bytes = _bytes_of(target)
+        self.got = 0
+        self.expected = f"{self.bytes.nbytes} bytes"
+
+    def accepts(self, nbytes: int) -> bool:
+        return nbytes == self.bytes.nbytes
+
+    def view(self) -> memoryview:
+        return self.bytes[self.got :]
+
+    def received(self, n: int):
+        self.got += n
+
+    @property
+    def full(self) -> bool:
+        return self.got >= self.bytes.nbytes
+
+    def finish(self):
+        pass
+
+
+class _Summing(_Into):
+    """A part received into `scratch` and summed with `mine` into `out` as it arrives."""
+
+    def __init__(self, scratch: np.ndarray, mine: np.ndarray, out: np.ndarray):
+        super().__init__(scratch)
+        self.scratch, self.mine, self.out = scratch, mine, out
+        self.item = scratch.dtype.itemsize
+        self.summed = 0  # elements summed so far
+
+    def received(self, n: int):
+        self.got += n
+        ready = self.got // self.item
+        if (ready - self.summed) * self.item >= _SUM_PIECE:
+            self._sum(ready)
+
+    def finish(self):
+        self._sum(self.got // self.item)
+
+    def _sum(self, upto: int):
+        s = slice(self.summed, upto)
+        np.add(self.mine[s], self.scratch[s], out=self.out[s])
+        self.summed = upto
+
+
+class _Rows(_Into):
+    """Another worker's block of rows (any count); with `rank`/`size` (2 workers), received
+    into its place of the concatenation, next to this worker's own `mine` block."""
+
+    def __init__(self, mine: np.ndarray, rank: int | None, size: int | None):
+        self.mine, self.rank, self.size = mine, rank, size
+        self.row_shape = mine.shape[1:]
+        self.row_bytes = int(np.prod(self.row_shape, dtype=np.int64)) * mine.dtype.itemsize
+        self.expected = f"a multiple of {self.row_bytes} bytes"
+        self.out = None
+
+    def accepts(self, nbytes: int) -> bool:
+        ok = nbytes % self.row_bytes == 0 if self.row_bytes else nbytes == 0
+        if ok:
+            rows = nbytes // self.row_bytes if self.row_bytes else 0
+            if self.rank is None:
+                self.block = np.empty((rows, *self.row_shape), self.mine.dtype)
+            else:  # both blocks in one array, by rank: no concatenation after
+                mine = self.mine.shape[0]
+                self.out = np.empty((mine + rows, *self.row_shape), self.mine.dtype)
+                here = slice(0, mine) if self.rank == 0 else slice(rows, rows + mine)
+                self.out[here] = self.mine
+                self.block = self.out[mine:] if self.rank == 0 else self.out[:rows]
+            self.bytes, self.got = _bytes_of(self.block), 0
+        return ok
+
+    def result(self) -> np.ndarray:
+        return self.out if self.out is not None else self.block
 
 
 def _bytes_of(array: np.ndarray) -> memoryview:
@@ -214,6 +506,11 @@ def listen(host: str, port: int = 0, task: str = "this worker") -> socket.socket
 
 def _tune(s: socket.socket, timeout: float) -> socket.socket:
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    import os
+
+    if os.environ.get("XBUF"):
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, int(os.environ["XBUF"]))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, int(os.environ["XBUF"]))
     s.settimeout(timeout)
     return s
 
@@ -251,22 +548,15 @@ def _accept(
 
 def _read(s: socket.socket, n: int, peer: str, timeout: float) -> bytes:
     buf = bytearray(n)
-    _read_into(s, memoryview(buf), peer, timeout)
-    return bytes(buf)
-
-
-def _read_into(s: socket.socket, view: memoryview, peer: str, timeout: float):
-    got = 0
-    while got < len(view):
+    view, got = memoryview(buf), 0
+    while got < n:
         try:
-            n = s.recv_into(view[got:])
+            k = s.recv_into(view[got:])
         except TimeoutError as e:
             raise RingError(f"{peer} sent nothing for {timeout} s") from e
         except OSError as e:
             raise RingError(f"receiving from {peer} failed: {e!r}") from e
-        if n == 0:
-            raise RingError(
-                f"{peer} closed the connection: it failed or stopped early (stop_training, an "
-                "exception, or the end of its data); its own output says why"
-            )
-        got += n
+        if k == 0:
+            raise RingError(f"{peer} closed the connection during the ring's start-up")
+        got += k
+    return bytes(buf)
