@@ -128,4 +128,18 @@ def test_an_unknown_row_is_refused_naming_the_rows_there_are(tmp_path, capsys):
     code = main(["bench", "sparse", "--quick", "--rows", "P-1,X-9", "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert code == 2, err
-    assert "--rows X-9" in err and "P-1,P-1t,P-all,C-2" in err, err
+    assert "--rows X-9" in err and "P-1,P-1t,P-all,P-1x2,C-2" in err, err
+
+
+def test_multi_worker_rows_are_read_against_the_side_by_side_limit():
+    from tfstrat.bench import _report
+
+    rows = [
+        {"row": "P-1", "workers": 1, "examples_per_s": 100.0},
+        {"row": "P-1x2", "workers": 2, "examples_per_s": 200.0},
+        {"row": "C-2", "workers": 2, "examples_per_s": 170.0},
+        {"row": "C-3", "workers": 3, "examples_per_s": 250.0},  # no P-1x3 in this run
+    ]
+    for r in rows:
+        _report.against_limit(r, rows)
+    assert [r["vs_limit"] for r in rows] == [None, None, 0.85, None]

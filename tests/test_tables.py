@@ -51,3 +51,42 @@ def test_bad_pushes_are_refused_before_they_count():
     with pytest.raises(ValueError, match=r"id 6 is outside"):
         t.push(0, [6], np.ones((1, 2), "f4"), SGD, 1.0, replica=0)
     assert t.pending == {}
+
+
+def test_a_lookup_of_the_next_step_waits_until_the_step_is_applied():
+    """Workers push without waiting for the update (it overlaps their all-reduce): the next
+    step's lookup, and a checkpoint's read, wait on the ps instead. Ordered by events, not
+    sleeps: the lookup thread must still be waiting after replica 1's push alone."""
+    import threading
+
+    from tfstrat.ps.tables import Registry
+
+    t = _table()
+    ones = np.ones((1, 2), "f4")
+    t.push(0, [1], ones, SGD, 1.0, replica=1)
+    assert t.lookup([1], 0)[0] == 0  # step 0's own lookup: the step's rows, no wait
+    got = {}
+    lookup = threading.Thread(target=lambda: got.setdefault("rows", t.lookup([1], 1)))
+    lookup.start()
+    lookup.join(0.5)
+    assert lookup.is_alive() and "rows" not in got, "step 1 read step 0's rows before its update"
+    t.push(0, [1], ones, SGD, 1.0, replica=0)  # the last push applies the step
+    lookup.join(30)
+    np.testing.assert_allclose(got["rows"], [-0.5, -0.5])  # (1 + 1) / 2 x 0.5
+    registry = Registry()
+    registry.tables[0] = t
+    t.push(1, [2], ones, SGD, 1.0, replica=0)
+    reader = threading.Thread(target=lambda: got.setdefault("read", registry.read(0, 0, 6)))
+    reader.start()
+    reader.join(0.5)
+    assert reader.is_alive(), "a read saw a half-pushed step"
+    t.push(1, [2], ones, SGD, 1.0, replica=1)
+    reader.join(30)
+    assert got["read"].reshape(6, 2)[2, 0] == -0.5
+
+
+def test_a_lookup_names_the_replicas_that_never_pushed():
+    t = Table(6, 2, 3, {"zeros": True, "timeout": 0.4})  # waits 3/4 of the workers' timeout
+    t.push(4, [1], np.ones((1, 2), "f4"), SGD, 1.0, replica=1)
+    with pytest.raises(ValueError, match=r"step 4's pushes; replica\(s\) \[0, 2\] never pushed"):
+        t.lookup([1], 5)

@@ -18,6 +18,7 @@ import time
 
 
 def main(config: dict) -> dict:
+    import numpy as np
     import tensorflow as tf
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -31,6 +32,15 @@ def main(config: dict) -> dict:
         options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=120)
         strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
     results = []
+    empty = tf.function(lambda: tf.numpy_function(lambda: np.int32(0), [], tf.int32, stateful=True))
+    for _ in range(3):
+        empty()
+    seconds = []
+    for _ in range(200):
+        start = time.perf_counter()
+        empty().numpy()
+        seconds.append(time.perf_counter() - start)
+    empty_step = statistics.median(seconds)
     for size in config["sizes"]:
         with strategy.scope():
             value = tf.ones([max(1, size // 4)], tf.float32)
@@ -49,7 +59,12 @@ def main(config: dict) -> dict:
             strategy.experimental_local_results(out)[0].numpy()  # wait for the result
             seconds.append(time.perf_counter() - start)
         results.append({"bytes": size, "seconds": statistics.median(seconds)})
-    return {"impl": config["impl"], "workers": strategy.num_replicas_in_sync, "sizes": results}
+    return {
+        "impl": config["impl"],
+        "workers": strategy.num_replicas_in_sync,
+        "sizes": results,
+        "empty_step_s": empty_step,
+    }
 
 
 if __name__ == "__main__":

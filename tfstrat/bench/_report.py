@@ -18,12 +18,33 @@ def machine() -> dict:
 
     info = devices()
     return {
+        "cpu": cpu_name(),
         "cpus": info.cpu_count,
         "gpus": len(info.gpus),
         "tensorflow": info.tensorflow_version,
         "keras": info.keras_version,
         "python": platform.python_version(),
     }
+
+
+def cpu_name() -> str:
+    """The processor's model name (/proc/cpuinfo), else what `platform` knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def side_by_side_row(workers: int, threads: int | None) -> tuple:
+    """The machine's own limit for W workers: W independent one-process runs (P-1) at once,
+    their examples/s summed (`run_row(..., every_task=True)`). Lock-step training on the same
+    cores cannot beat it; every multi-worker row is read against it."""
+    label = f"{workers} independent P-1 processes at once (the limit)"
+    return (f"P-1x{workers}", label, "none", workers, threads, None)
 
 
 PS_STRATEGIES = ("tfkeras-ps", "ps-sync", "ps-async", "hybrid")
@@ -42,12 +63,24 @@ def with_tuned_peers(rows: list[tuple]) -> list[tuple]:
     out = []
     for row in rows:
         out.append(row)
-        if not str(row[2]).startswith(TFSTRAT_STRATEGIES) and row[0] != "P-all":
+        twin = row[0] != "P-all" and not row[0].startswith("P-1x")
+        if twin and not str(row[2]).startswith(TFSTRAT_STRATEGIES):
             rid, label, *middle, env = row
             out.append(
                 (f"{rid}t", f"{label}, tuned (BFC allocator)", *middle, {**(env or {}), **TUNED})
             )
     return out
+
+
+def against_limit(row: dict, rows: Sequence[dict]) -> None:
+    """Sets `row["vs_limit"]`: its examples/s over the side-by-side row's of as many workers
+    (P-1xW) in the same run, for multi-worker rows."""
+    limit = next(
+        (r.get("examples_per_s") for r in rows if r["row"] == f"P-1x{row['workers']}"), None
+    )
+    x = row.get("examples_per_s")
+    multi = row["workers"] > 1 and not row["row"].startswith("P-1x")
+    row["vs_limit"] = x / limit if x and limit and multi else None
 
 
 class UnknownRows(ValueError):
@@ -84,9 +117,12 @@ def run_row(
     timeout: float = 900,
     ps: int = 0,
     chief: bool = False,
+    every_task: bool = False,
 ) -> dict:
     """Runs `python -m MODULE CONFIG` on `workers` tasks; returns worker 0's RESULT, or an error.
 
+    With `every_task` (independent processes, no strategy: the side-by-side row), the tasks'
+    examples/s are summed instead, and each task's RESULT is under "tasks".
     A row that fails (a stock peer that crashes, say) returns `{"error": "..."}` naming the
     first line of the failure, so the table can say how it failed.
     """
@@ -110,10 +146,21 @@ def run_row(
         out,
     )
     lines = out.getvalue().splitlines()
+    results = {}
     for line in lines:
         prefix, _, rest = line.partition(" ")
-        if prefix in ("[worker:0]", "[chief:0]") and rest.startswith("RESULT "):
-            return json.loads(rest[len("RESULT ") :])
+        if rest.startswith("RESULT "):
+            results[prefix.strip("[]")] = json.loads(rest[len("RESULT ") :])
+    if every_task and len(results) == workers:
+        tasks = [results[k] for k in sorted(results)]
+        summed = {
+            k: sum(t[k] for t in tasks)
+            for k in ("examples_per_s", "examples_per_s_min", "examples_per_s_max", "steps_per_s")
+        }
+        return {**tasks[0], **summed, "tasks": tasks}
+    for task in ("worker:0", "chief:0"):
+        if task in results and not every_task:
+            return results[task]
     errors = [line for line in lines if "Error" in line and "Traceback" not in line]
     return {"error": (errors[-1] if errors else f"exit code {code}")[-300:]}
 

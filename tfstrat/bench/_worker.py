@@ -248,14 +248,27 @@ def main(config: dict) -> dict:
         def on_train_end(self, logs=None):
             self.per_step = (sum(tcp_bytes(ps_ports)) - self.start) / (steps * repeats)
 
+    ring = getattr(
+        getattr(getattr(strategy, "extended", None), "_cross_device_ops", None), "ring", None
+    )
+
+    class RingBytes(keras.callbacks.Callback):  # what the TCP ring sent, timed epochs
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 1:
+                self.start = ring.bytes_sent
+
+        def on_train_end(self, logs=None):
+            self.per_step = (ring.bytes_sent - self.start) / (steps * repeats)
+
     from tfstrat.traffic import tcp_bytes
 
-    clock, traffic = Clock(), Traffic()
+    clock, traffic, ring_bytes = Clock(), Traffic(), RingBytes()
     steps, repeats = int(config["steps"]), int(config["repeats"])
     local_sgd = config["strategy"].startswith(("localsgd-", "diloco-"))
     if local_sgd:  # what crosses this worker's sockets: its sent bytes, every peer
         tcp_bytes = lambda ports: (_sent_bytes(),)  # noqa: E731
     callbacks = [clock] + ([traffic] if ps_ports or local_sgd else [])
+    callbacks += [ring_bytes] if ring is not None and not local_sgd else []
     model.fit(data, steps_per_epoch=steps, epochs=1 + repeats, verbose=0, callbacks=callbacks)
     timed = clock.seconds[1:]  # epoch 0 traces and warms up
     profile_dir = os.environ.get("TFSTRAT_BENCH_PROFILE")
@@ -267,6 +280,8 @@ def main(config: dict) -> dict:
     rates = [steps * global_batch / s for s in timed]
     ops = getattr(getattr(strategy, "extended", None), "_cross_device_ops", None)
     sent = ops.bytes_sent_per_worker() if hasattr(ops, "bytes_sent_per_worker") else None
+    if ring is not None and not local_sgd:  # measured on the ring, not computed
+        sent = ring_bytes.per_step
     if ps_ports:  # measured on the sockets to the ps tasks, both directions
         sent = traffic.per_step + (sent or 0)
     if local_sgd:

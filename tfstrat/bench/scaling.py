@@ -61,6 +61,11 @@ def _rows(c: ScalingConfig, cpus: int) -> list[dict]:
     rows = [
         ("P-1", "one process, no strategy", "none", 1, 1, t, None),
         ("P-all", "one process, no strategy, all cores", "none", 1, 1, cpus, None),
+    ]
+    for w in (w for w in c.workers if w > 1):
+        rid, label, strategy, workers, threads, env = _report.side_by_side_row(w, t)
+        rows.append((rid, label, strategy, workers, 1, threads, env))
+    rows += [
         ("A-1", "MirroredNCCL", "mirrored", 1, d, t, None),
         ("A-2", "CollectiveAllReduce", "collective", 1, d, t, None),
     ]
@@ -132,6 +137,7 @@ def run(config: ScalingConfig) -> list[dict]:
             env=row["env"],
             ps=_report.ps_tasks(row["strategy"]),
             chief=ps_mode,
+            every_task=row["row"].startswith("P-1x"),
         )
         row.update(result, model=c.model, image=c.image, machine=machine)
         row["total_devices"] = row["workers"] * row["devices_per_worker"]
@@ -158,6 +164,7 @@ def _derive(rows: list[dict]):
             r["efficiency"] = x / (r["workers"] * one_worker)
         if x and rate.get("P-1") and r["row"] != "P-all":
             r["efficiency_P1"] = x / (r["workers"] * rate["P-1"])
+        _report.against_limit(r, rows)
 
 
 def _fmt(x, spec):
@@ -178,13 +185,14 @@ def table(rows: Sequence[dict], c: ScalingConfig) -> str:
         "vs A-2",
         "efficiency",
         "efficiency vs P-1",
+        "vs limit",
         "accuracy",
     ]
     body = []
     for r in rows:
         lead = [r["row"], r["label"], r["workers"], r["devices_per_worker"], r["total_devices"]]
         if "error" in r:
-            body.append([*lead, "-", f"failed: {r['error'][:120]}", "-", "-", "-", "-", "-", "-"])
+            body.append([*lead, "-", f"failed: {r['error'][:120]}"] + ["-"] * 7)
             continue
         body.append(
             [
@@ -196,6 +204,7 @@ def table(rows: Sequence[dict], c: ScalingConfig) -> str:
                 _fmt(r["vs_A2"], ".2f"),
                 _fmt(r.get("efficiency"), ".0%"),
                 _fmt(r.get("efficiency_P1"), ".0%"),
+                _fmt(r.get("vs_limit"), ".0%"),
                 _fmt(r.get("accuracy"), ".1%"),
             ]
         )
@@ -205,7 +214,7 @@ def table(rows: Sequence[dict], c: ScalingConfig) -> str:
         f"examples per device per step, SGD with momentum; median of {c.repeats} timed epochs "
         f"of {c.steps} steps after one warm-up epoch. Threads: {c.threads} in each of TensorFlow's "
         f"pools (intra-op and inter-op) per process, so each process keeps at most {c.threads} "
-        f"core(s) busy (row P-all: {m.get('cpus')}). Machine: {m.get('cpus')} CPUs, "
+        f"core(s) busy (row P-all: {m.get('cpus')}). Machine: {m.get('cpu')}, {m.get('cpus')} CPUs, "
         f"{m.get('gpus')} GPUs, TensorFlow {m.get('tensorflow')}, Keras {m.get('keras')}. "
         "Speed-ups and efficiency use examples/s; efficiency(W) = ex/s(W) / (W x ex/s(B-1)); "
         "efficiency vs P-1 = ex/s / (W x ex/s(P-1)), which also counts what a strategy costs "

@@ -42,6 +42,7 @@ def _rows(c: SparseConfig, cpus: int) -> list[dict]:
         ("P-1", "one process, no strategy", "none", 1, t, None),
         ("P-all", "one process, no strategy, all cores", "none", 1, cpus, None),
     ]
+    rows += [_report.side_by_side_row(w, t) for w in c.workers if w > 1]
     rows += [(f"C-{w}", "CollectiveAllReduce", "collective", w, t, None) for w in c.workers]
     w = max(c.workers)
     rows += [
@@ -99,6 +100,7 @@ def run(config: SparseConfig) -> list[dict]:
             env=row.pop("env"),
             ps=_report.ps_tasks(row["strategy"]),
             chief=row["strategy"] == "tfkeras-ps",
+            every_task=row["row"].startswith("P-1x"),
         )
         row.update(result, machine=machine, table_bytes=vocab * config.dim * 4)
         speed = f"{row['examples_per_s']:,.0f} ex/s" if "examples_per_s" in row else row["error"]
@@ -118,6 +120,7 @@ def run(config: SparseConfig) -> list[dict]:
         for r in group:
             x = r.get("examples_per_s")
             r["vs_P1"] = x / one if one and x else None
+            _report.against_limit(r, group)
             if x and one and r["row"] != "P-all":
                 r["efficiency_P1"] = x / (r["workers"] * one)
     _report.write(config.out, "sparse", rows, table(rows, config), _plot)
@@ -133,6 +136,7 @@ def table(rows, c: SparseConfig) -> str:
         "examples/s (min-max)",
         "vs P-1",
         "efficiency vs P-1",
+        "vs limit",
         "bytes sent/step/worker",
         "% of table",
         "final loss",
@@ -145,7 +149,7 @@ def table(rows, c: SparseConfig) -> str:
             body.append(
                 [r["row"], r["label"], f"{r['vocab']:,}", r["workers"]]
                 + [f"failed: {r['error'][:120]}"]
-                + ["-"] * 7
+                + ["-"] * 8
             )
             continue
         sent = r.get("bytes_sent_per_step")
@@ -159,6 +163,7 @@ def table(rows, c: SparseConfig) -> str:
                 f"{r['examples_per_s']:,.0f} ({r['examples_per_s_min']:,.0f}-{r['examples_per_s_max']:,.0f})",
                 f"{r['vs_P1']:.2f}" if r["vs_P1"] is not None else "-",
                 f"{r['efficiency_P1']:.0%}" if r.get("efficiency_P1") else "-",
+                f"{r['vs_limit']:.0%}" if r.get("vs_limit") else "-",
                 f"{sent:,.0f}" if sent is not None else "not measured",
                 f"{100 * sent / r['table_bytes']:.2f}%" if sent is not None else "-",
                 f"{r['final_loss']:.4f}",
@@ -174,14 +179,18 @@ def table(rows, c: SparseConfig) -> str:
         f"{c.seq} Zipf-distributed ids per example, Conv1D x2 + dense head, Adagrad, "
         f"{c.batch_per_device} examples per worker per step; median of {c.repeats} timed "
         f"epochs of {c.steps} steps after a warm-up epoch. Bytes sent: what tfstrat hands "
-        "its collectives per step (ring arithmetic: 2(n-1)/n x S for an all-reduce of S bytes, "
-        "(n-1) x S for an all-gather); for ParameterServer and Hybrid rows, plus the bytes worker "
+        "its collectives per step: measured, what worker 0's TCP ring sent per timed step "
+        "(headers included; its sparse rows deduplicated, so fewer than the batch's ids), else "
+        "ring arithmetic (2(n-1)/n x S for an all-reduce of S bytes, (n-1) x S for an "
+        "all-gather); for ParameterServer and Hybrid rows, plus the bytes worker "
         "0's sockets to the ps carried per step, both directions (for ParameterServer, the dense "
         "head's weights and gradients too). Keras 3 rows use tfstrat.keras.layers.Embedding. "
         f"Threads: {rows[0]['threads'] if rows else '?'} in each of TensorFlow's pools per process (row P-all: "
-        f"{m.get('cpus')}). Machine: {m.get('cpus')} CPUs, TensorFlow "
+        f"{m.get('cpus')}). Machine: {m.get('cpu')}, {m.get('cpus')} CPUs, TensorFlow "
         f"{m.get('tensorflow')}, Keras {m.get('keras')}. Efficiency vs P-1 = ex/s / "
-        '(workers x ex/s(P-1)). Rows ending in t ("tuned") run the stock row again with the '
+        "(workers x ex/s(P-1)); vs limit = ex/s / ex/s(P-1xW), W independent P-1 processes run "
+        "at once on the same machine (their examples/s summed): what W workers could reach "
+        'if they paid nothing for working together. Rows ending in t ("tuned") run the stock row again with the '
         "CPU allocator tfstrat gives its own tasks (TF_CPU_ALLOCATOR_USE_BFC=true). Peak RSS: "
         "worker 0's; ps peak RSS: the Hybrid table server's process (the largest ps task)."
     )

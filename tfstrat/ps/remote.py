@@ -6,9 +6,12 @@ A table of R rows split into P parts lives on the ps tasks part by part ("div" l
 calls are a `tf.numpy_function` over `tfstrat.ps.wire`. Its gradient is never materialised for
 the whole table: the rows' gradient is summed per id (local aggregation) and pushed to the
 parts, and what the layer hands to Keras is the gradient of a scalar "anchor" variable that
-depends on the pushes. That anchor's gradient is all-reduced with the dense gradients, so when
-any worker's all-reduce completes, every worker's push of the step has been applied on the ps
-(the last push of a step applies it before it returns) and the next lookup sees the new rows.
+depends on the pushes being sent. That anchor's gradient is all-reduced with the dense
+gradients, so when any worker's all-reduce completes, every worker's push of the step is on
+its way. The push does not wait for its answer: the ps applies the step while the workers
+all-reduce, and the answer is read before the connection's next call. A lookup carries its
+step, and the ps answers it once every earlier step pushed there is applied, so the next
+step sees the new rows.
 
 Uneven batches. Keras divides each replica's local-mean loss by the replica count R, so the
 rows' gradient a replica computes is g_r / R, g_r its local mean over its n_r rows. The push
@@ -43,6 +46,7 @@ class TableClients:
             wire.Connection(address, timeout, f"ps:{i}") for i, address in enumerate(self.addresses)
         ]
         self._lock = threading.Lock()  # one call (or set of calls) at a time, from any thread
+        self._unread: dict[int, list[str]] = {}  # ps -> methods sent whose answers are unread
 
     def call(self, ps: int, method: str, *arrays) -> list[np.ndarray]:
         """Calls `method` on ps task `ps` (raises `wire.TableServerError` naming it)."""
@@ -53,6 +57,7 @@ class TableClients:
         so the ps tasks work at once. Two calls to one ps go one after the other."""
         out, pending = [None] * len(calls), {}
         with self._lock:
+            self._read_unread()
             try:
                 for i, (ps, method, arrays) in enumerate(calls):
                     if ps in pending:  # one request in flight per connection
@@ -68,6 +73,34 @@ class TableClients:
                     self.connections[ps].close()
                 raise
         return out
+
+    def send_all(self, calls) -> None:
+        """Sends `[(ps, method, arrays), ...]` without waiting for the answers: they are read
+        (and an error in one raised, naming its ps) before the next call."""
+        with self._lock:
+            for ps, method, arrays in calls:
+                try:
+                    self.connections[ps].send(method, *arrays)
+                except BaseException:
+                    self._unread.pop(ps, None)  # the connection is gone, its answers with it
+                    raise
+                self._unread.setdefault(ps, []).append(method)
+
+    def read_unread(self) -> None:
+        """Reads the answers of `send_all`'s calls (raising an error one carries)."""
+        with self._lock:
+            self._read_unread()
+
+    def _read_unread(self) -> None:
+        for ps in list(self._unread):
+            methods = self._unread[ps]
+            while methods:
+                method = methods.pop(0)
+                if not self.connections[ps].is_open:  # closed by a failure: answers gone
+                    methods.clear()
+                    break
+                self.connections[ps].receive(method)
+            del self._unread[ps]
 
     def put_meta(self, key: int, value: int) -> None:
         self.call(0, "put_meta", np.int64(key), np.int64(value))
@@ -196,11 +229,13 @@ class RemoteTable:
                 "Embedding inputs must be in [0, input_dim)."
             )
 
-    def _fetch(self, unique_ids: np.ndarray) -> np.ndarray:
+    def _fetch(self, unique_ids: np.ndarray, step=-1) -> np.ndarray:
         self._check(unique_ids)
         positions, local = self._split(unique_ids)
+        step = np.int64(step)
         calls = [
-            (ps, "lookup", (np.int64(n), ids)) for (ps, n, _, _), ids in zip(self.parts, local)
+            (ps, "lookup", (np.int64(n), ids, step))
+            for (ps, n, _, _), ids in zip(self.parts, local)
         ]
         rows = np.empty((len(unique_ids), self.dim), np.float32)
         for pos, (flat,) in zip(positions, self.clients.call_all(calls)):
@@ -214,15 +249,21 @@ class RemoteTable:
             (ps, "push", (np.int64(n), step, ids, grads[pos].reshape(-1), hyper, rows, replica))
             for (ps, n, _, _), pos, ids in zip(self.parts, positions, local)
         ]
-        return np.int64(sum(int(v[0]) for v in self.clients.call_all(calls)))
+        self.clients.send_all(calls)  # the answers are read before the next call
+        return np.int64(0)
 
-    def fetch(self, unique_ids):
-        """The rows of `unique_ids` (a 1-D int64 tensor), shape [n, dim]."""
-        rows = tf.numpy_function(self._fetch, [unique_ids], tf.float32, stateful=True, name="fetch")
+    def fetch(self, unique_ids, step=None):
+        """The rows of `unique_ids` (a 1-D int64 tensor), shape [n, dim], as of every step
+        before `step` (None: whatever is applied)."""
+        step = tf.constant(-1, tf.int64) if step is None else tf.cast(step, tf.int64)
+        rows = tf.numpy_function(
+            self._fetch, [unique_ids, step], tf.float32, stateful=True, name="fetch"
+        )
         return tf.reshape(rows, [-1, self.dim])
 
     def push(self, unique_ids, grads, step, hyper, rows=None):
-        """Pushes `grads` (already weighted) and their weight `rows` (None: 0, unweighted)."""
+        """Sends `grads` (already weighted) and their weight `rows` (None: 0, unweighted) to
+        the ps tasks; does not wait for the update (see the module's docstring)."""
         rows = tf.constant(0.0) if rows is None else tf.cast(rows, tf.float32)
         context = tf.distribute.get_replica_context()  # None in cross-replica code: one pusher
         replica = tf.cast(context.replica_id_in_sync_group if context else 0, tf.int64)
@@ -236,14 +277,15 @@ class RemoteTable:
 
         @tf.custom_gradient
         def rows_of(a):
-            rows = tf.gather(self.fetch(unique), index)
+            step = step_fn()
+            rows = tf.gather(self.fetch(unique, step), index)
 
             def grad(d_rows):
                 summed = tf.math.unsorted_segment_sum(d_rows, index, tf.shape(unique)[0])
                 summed, rows = self._weighted(summed)
-                versions = self.push(unique, summed, step_fn(), hyper_fn(), rows)
-                done = tf.cast(tf.reshape(versions, []), a.dtype)
-                return tf.zeros_like(a) + 0.0 * done  # 0, once the pushes are done
+                sent = self.push(unique, summed, step_fn(), hyper_fn(), rows)
+                sent = tf.cast(tf.reshape(sent, []), a.dtype)
+                return tf.zeros_like(a) + 0.0 * sent  # 0, once the pushes are sent
 
             return rows, grad
 

@@ -6,7 +6,7 @@ ps's memory, updated row by row, reached by a few methods over one TCP connectio
 Tables are addressed by number (a ps starts before any model exists):
 
     create(table, rows, dim, workers, init)    -> 0     (idempotent; `init` is JSON bytes)
-    lookup(table, ids)                         -> rows, flattened
+    lookup(table, ids, step)                   -> rows, flattened, once steps < step are applied
     push(table, step, ids, grads, hyper, rows, replica) -> the table's version after this push
     read(table, lo, hi) / write(table, lo, v)  -> rows lo..hi, flattened / 0
     slots(table)                               -> the numbers of its optimizer slots (SLOTS)
@@ -17,7 +17,8 @@ Tables are addressed by number (a ps starts before any model exists):
     stats()                                    -> this process's peak RSS, MB
 
 A table collects the pushes of one step from every worker and, on the last, applies their sum
-with a row-wise (lazy) optimizer update: only the pushed rows of the table and of its slots
+(the workers do not wait for it: their all-reduce runs meanwhile, and the next step's lookups,
+and any read, wait here until the step is applied) with a row-wise (lazy) optimizer update: only the pushed rows of the table and of its slots
 change. Each push carries its rows' gradient already multiplied by its weight and that weight
 (`rows`: the replica's batch rows, `tfstrat.ps.remote`); the sum is divided by the sum of the
 weights, so replicas of unequal batches give the global batch's mean gradient (the same
@@ -75,6 +76,10 @@ class Table:
         self.pending_step = None
         self.version = 0
         self.lock = threading.Lock()
+        self.applied = threading.Condition(self.lock)  # notified when pushes are applied
+        # How long a lookup or read waits for a step's missing pushes: under the workers'
+        # own timeout, so the error naming the missing replicas reaches them first.
+        self.wait_s = 0.75 * float(init.get("timeout", 400.0))
 
     def check(self, ids: np.ndarray) -> np.ndarray:
         """`ids` as int64, or a ValueError naming the first outside 0..rows-1 (NumPy would
@@ -88,10 +93,28 @@ class Table:
             )
         return ids
 
-    def lookup(self, ids):
+    def lookup(self, ids, step=-1):
+        """The rows of `ids`, once every earlier step (< `step`) pushed here is applied."""
         ids = self.check(ids)
         with self.lock:  # never half-way through a step's update
+            self.wait_applied(int(step))
             return self.value[ids].reshape(-1)
+
+    def wait_applied(self, step: int | None = None):
+        """Waits (holding `lock`) until no step before `step` (None: no step at all) has
+        pushes pending. Workers push without waiting for the update (it overlaps their
+        all-reduce), so the next step's lookups and a checkpoint's reads wait here instead."""
+
+        def ready():
+            return not self.pending or (step is not None and self.pending_step >= step)
+
+        if not self.applied.wait_for(ready, self.wait_s):
+            missing = sorted(set(range(self.workers)) - set(self.pending))
+            raise ValueError(
+                f"tfstrat table: waited {self.wait_s:g} s for step {self.pending_step}'s "
+                f"pushes; replica(s) {missing} never pushed (of {self.workers}). A worker "
+                "failed or stopped early; its own output says why."
+            )
 
     def push(self, step, ids, grads, hyper, rows, replica=0):
         ids = self.check(ids)
@@ -124,7 +147,10 @@ class Table:
                 unique, summed = _sum_rows(pushes, self.dim)
                 if weight > 0:  # the global batch's mean, as one device computes it
                     summed /= np.float32(weight)
-                self._apply(unique, summed, np.asarray(hyper, np.float32), step)
+                try:
+                    self._apply(unique, summed, np.asarray(hyper, np.float32), step)
+                finally:
+                    self.applied.notify_all()
                 self.version += 1
             return self.version
 
@@ -238,8 +264,8 @@ class Registry:
 
         return np.float64(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 
-    def lookup(self, table, ids):
-        return self.get(table).lookup(ids)
+    def lookup(self, table, ids, step=-1):
+        return self.get(table).lookup(ids, step)
 
     def push(self, table, step, ids, grads, hyper, rows, replica=0):
         if np.size(hyper) != HYPER:
@@ -252,6 +278,7 @@ class Registry:
     def read(self, table, lo, hi):
         t = self.get(table)
         with t.lock:
+            t.wait_applied()
             return t.value[int(lo) : int(hi)].reshape(-1).copy()
 
     def write(self, table, lo, values):
@@ -263,6 +290,7 @@ class Registry:
                 logger.info("tfstrat server: table %d restored; %d pushes of step %s dropped",
                             int(table), len(t.pending), t.pending_step)  # fmt: skip
                 t.pending, t.pending_rows = {}, 0.0
+                t.applied.notify_all()
         return _ZERO
 
     def slots(self, table):
@@ -275,6 +303,7 @@ class Registry:
         if name not in t.slots:
             raise ValueError(f"tfstrat table {int(table)} has no slot {name!r}")
         with t.lock:
+            t.wait_applied()
             return t.slots[name][int(lo) : int(hi)].reshape(-1).copy()
 
     def write_slot(self, table, slot, lo, values):

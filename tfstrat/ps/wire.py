@@ -145,6 +145,11 @@ class Connection:
     def what(self, method: str) -> str:
         return f"{method} on {self.task} (table server at {self.address})"
 
+    @property
+    def is_open(self) -> bool:
+        """False after a failure closed the connection (its unread answers with it)."""
+        return self._sock is not None
+
     def _connected(self) -> socket.socket:
         if self._sock is None:
             host, port = _ports.split(self.address)

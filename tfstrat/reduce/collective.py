@@ -84,7 +84,10 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
         packed = {i: n for i, n in rows.items() if self.ring is not None and _packable(flat[i])}
         if by_ring or packed:
             summed, gathered = self._ring_exchange(
-                reduce_op, [flat[i] for i in by_ring], {i: flat[i] for i in packed}, replica_id
+                reduce_op,
+                [flat[i] for i in by_ring],
+                {i: (flat[i], packed[i]) for i in packed},
+                replica_id,
             )
             for i, r in zip(by_ring, summed):
                 flat[i] = r
@@ -128,7 +131,8 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
     def _ring_exchange(self, reduce_op, dense, slices, replica_id):
         """One TCP ring exchange for a step: every dense tensor packed into one flat vector
         and summed, and every sparse gradient's deduplicated rows gathered (of any count:
-        no padding). Returns the reduced dense tensors and `{position: IndexedSlices}`."""
+        no padding). `slices`: `{position: (IndexedSlices, static rows before dedup)}`.
+        Returns the reduced dense tensors and `{position: IndexedSlices}`."""
         ring, k = self.ring, len(dense)
         with tf.device(self._devices[replica_id]):
             inputs, shapes = [], []
@@ -136,9 +140,8 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
                 flat = tf.concat([tf.reshape(t, [-1]) for t in dense], 0)
                 inputs.append(flat)
                 shapes.append(flat.shape)
-            for v in slices.values():
+            for v, rows in slices.values():
                 packed = sparse.pack_rows(v, None)
-                rows = sparse.static_rows(v)
                 if rows is not None:  # an upper bound: the ring sends the deduplicated rows
                     self._record(
                         replica_id,
@@ -164,7 +167,7 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
                 parts = tf.split(summed, [t.shape.num_elements() for t in dense])
                 reduced = [tf.reshape(p, t.shape) for p, t in zip(parts, dense)]
             gathered = {}
-            for (i, v), everyone in zip(slices.items(), outs[1 if dense else 0 :]):
+            for (i, (v, _)), everyone in zip(slices.items(), outs[1 if dense else 0 :]):
                 g = sparse.unpack_rows(everyone, v)
                 if reduce_op == tf.distribute.ReduceOp.MEAN:
                     g = tf.IndexedSlices(g.values / self._group_size, g.indices, g.dense_shape)

@@ -76,6 +76,8 @@ class Ring:
         names = names or [f"worker {i}" for i in range(self.size)]
         self.names = [f"{n} (ring at {a})" for n, a in zip(names, addresses)]
         self.calls = 0
+        #: Bytes this worker has sent through the ring (headers included), for benchmarks.
+        self.bytes_sent = 0
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         self._buffers: dict[tuple, np.ndarray] = {}
@@ -222,6 +224,7 @@ class Ring:
             _SIZE.pack(p.nbytes) for p in parts
         )
         outgoing = [memoryview(header)] + [p for p in parts if p.nbytes]
+        self.bytes_sent += sum(p.nbytes for p in outgoing)
         incoming = _Incoming(self, receive)
         if sum(p.nbytes for p in parts) >= _THREAD_BYTES:
             # Large: the kernel's copies of the send and of the receive run on two cores.

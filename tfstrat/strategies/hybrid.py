@@ -143,6 +143,7 @@ class Hybrid(CollectiveAllReduce):
         init = {
             "initializer": keras.initializers.serialize(initializer),
             "seed": getattr(initializer, "seed", None),
+            "timeout": self.timeout,
         }
         if not isinstance(init["seed"], (int, type(None))):
             init["seed"] = None
@@ -186,7 +187,8 @@ class Hybrid(CollectiveAllReduce):
 
         def trial_table(parts, first):
             layout = self._layout(rows, parts, first)
-            return RemoteTable(self._clients, "trial", rows, dim, layout, 1, {"zeros": True})
+            init = {"zeros": True, "timeout": self.timeout}
+            return RemoteTable(self._clients, "trial", rows, dim, layout, 1, init)
 
         samples = partitions.measure(trial_table, rows, dim)
         chosen = partitions.best(samples, max(samples))
