@@ -72,6 +72,14 @@ def with_tuned_peers(rows: list[tuple]) -> list[tuple]:
     return out
 
 
+def color(row: dict) -> str:
+    """A row's bar colour: tfstrat's strategies blue, the side-by-side limit green, the rest
+    (one plain process, stock peers) gray."""
+    if row["row"].startswith("P-1x"):
+        return "tab:green"
+    return "tab:blue" if str(row["strategy"]).startswith(TFSTRAT_STRATEGIES) else "tab:gray"
+
+
 def against_limit(row: dict, rows: Sequence[dict]) -> None:
     """Sets `row["vs_limit"]`: its examples/s over the side-by-side row's of as many workers
     (P-1xW) in the same run, for multi-worker rows."""

@@ -236,9 +236,9 @@ def _plot(ax, rows):
         [v - r["examples_per_s_min"] for v, r in zip(values, ok)],
         [r["examples_per_s_max"] - v for v, r in zip(values, ok)],
     ]
-    colors = ["tab:gray" if r["row"].startswith(("P", "S")) else "tab:blue" for r in ok]
+    colors = [_report.color(r) for r in ok]
     ax.barh(range(len(ok)), values, xerr=errors, color=colors)
     ax.set_yticks(range(len(ok)), labels)
     ax.invert_yaxis()
     ax.set_xlabel("examples/s (median, min-max)")
-    ax.set_title("tfstrat bench scaling (blue: tfstrat, gray: one process and stock peers)")
+    ax.set_title("tfstrat bench scaling (blue: tfstrat, green: the limit, gray: the rest)")
