@@ -1,5 +1,5 @@
 """Nothing lost, exact resume: backups that survive a kill at any point, and a relaunch that
-ends bit-identical to an uninterrupted run (issue 13, items 3, 4, 5, 14, 18).
+ends bit-identical to an uninterrupted run.
 
 The cluster tests train three small models in one worker script (tests/scripts/
 faults_resume_run.py) under each strategy: each model once uninterrupted, once interrupted

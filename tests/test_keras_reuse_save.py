@@ -1,4 +1,4 @@
-"""Issue 14 items 4 and 5: a strategy created twice per process; model.save on every worker.
+"""A strategy created twice per process; model.save on every worker.
 
 One CollectiveAllReduce cluster run (tests/scripts/reuse_save.py) checks both: three
 `run_training()` calls per process (one worker 2 s late each time, the third over TensorFlow's

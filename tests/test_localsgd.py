@@ -1,4 +1,4 @@
-"""LocalSGD and DiLoCo (issue 17): real worker processes started by `tfstrat launch`.
+"""LocalSGD and DiLoCo: real worker processes started by `tfstrat launch`.
 
 One launch runs every scenario of tests/scripts/localsgd_run.py in sequence (each under its
 own strategy: the process's cluster and TCP ring are reused), and one plain-Keras process

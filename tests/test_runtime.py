@@ -1,7 +1,7 @@
 """The process settings tfstrat makes (`tfstrat/_runtime.py`): TensorFlow's BFC CPU allocator.
 
 A step under a one-device strategy ran at half the speed of plain Keras with TensorFlow's
-default CPU allocator (issue 19; benchmarks/overhead). These tests fail if a process that uses
+default CPU allocator (benchmarks/overhead). These tests fail if a process that uses
 tfstrat's strategies is not on the BFC allocator, asserting the setting and the allocator
 TensorFlow reports, never a time. Each case is a fresh Python process (the allocator is chosen
 once per process); they start together to share the TensorFlow import time.

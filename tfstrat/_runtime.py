@@ -2,8 +2,7 @@
 and quiet logs (`tfstrat/_quiet.py`: TensorFlow's Python warnings that say nothing).
 
 With TensorFlow's default CPU allocator (the C library's malloc), a step under a tf.distribute
-strategy ran at about half the speed of the same step without one (issue 19;
-benchmarks/overhead). The strategy's input path builds a GeneratorDataset, whose kernel fixes
+strategy ran at about half the speed of the same step without one (benchmarks/overhead). The strategy's input path builds a GeneratorDataset, whose kernel fixes
 glibc's mmap threshold at 128 KiB for the whole process (TF 2.21's
 `mallopt(M_MMAP_THRESHOLD, 131072)`); from then on every step buffer over 128 KiB is mapped,
 faulted in page by page and unmapped again. TensorFlow's BFC allocator keeps its memory, so

@@ -157,7 +157,7 @@ if not args.reference:
     model_path = os.path.join(args.out, "m.keras")
     weights_path = os.path.join(args.out, "m.weights.h5")
     for k in range(args.saves):
-        # Each worker's weights differ (as BatchNormalization statistics do; issue 14 item 6),
+        # Each worker's weights differ (as BatchNormalization statistics do),
         # so two writers of one file interleave different bytes; no collective between saves.
         for w, b in zip(m2.weights, base):
             w.assign(b + 0.01 * (k + 1) + 0.001 * index)
