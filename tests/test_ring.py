@@ -157,3 +157,26 @@ def test_ipv6_peers():
     sums, errors = _on_threads(lambda i: rings[i].all_reduce(np.full(5, i, np.float32)), 3)
     assert errors == [None] * 3, errors
     np.testing.assert_array_equal(sums[0], np.full(5, 3, np.float32))
+
+
+def test_a_result_still_referenced_is_never_overwritten_by_the_next_call():
+    """`tf.numpy_function` keeps a 64-byte aligned result as its output tensor's memory
+    without a copy, so a result TensorFlow still holds must not be reused; a free one is."""
+    rings, _ = _rings(2)
+    xs = [np.full(1000, i + 1, np.float32) for i in range(2)]
+    firsts, errors = _on_threads(lambda i: rings[i].exchange(xs[i], [])[0], 2)
+    assert not any(errors), errors
+    assert all(f.ctypes.data % 64 == 0 for f in firsts)  # what lets TensorFlow take it as is
+    seconds, errors = _on_threads(lambda i: rings[i].exchange(2 * xs[i], [])[0], 2)
+    assert not any(errors), errors
+    for first, second in zip(firsts, seconds):
+        np.testing.assert_array_equal(first, 3.0)  # still the first call's sum
+        np.testing.assert_array_equal(second, 6.0)
+        assert not np.shares_memory(first, second)
+    # Once nothing refers to them, the buffers are reused (no fresh memory every step).
+    freed = {a.ctypes.data for a in firsts + seconds}
+    del firsts, first, seconds, second
+    thirds, _ = _on_threads(lambda i: rings[i].exchange(xs[i], [])[0], 2)
+    assert {a.ctypes.data for a in thirds} <= freed
+    for r in rings:
+        r.close()

@@ -18,7 +18,7 @@ what has come, sum what is complete), so no thread hand-off sits on a step's pat
 overlaps the transfer; a message of 4 MiB or more is sent by a second thread while the caller
 receives, so the kernel's two copies run on two cores. Buffers are kept between calls: a
 step's exchange allocates nothing but the gathered blocks (fresh memory would be page-faulted
-in every step; TensorFlow copies what the call returns).
+in every step), and its result reaches TensorFlow without a copy (`_Results`).
 
 Every message carries a header (call number, its parts' sizes), so workers that disagree on
 what they exchange fail with an error naming both sides instead of mixing data. A call fails
@@ -31,6 +31,7 @@ import logging
 import select
 import socket
 import struct
+import sys
 import threading
 import time
 
@@ -82,7 +83,8 @@ class Ring:
         self.bytes_sent = 0
         self._lock = threading.Lock()
         self._error: BaseException | None = None
-        self._buffers: dict[tuple, np.ndarray] = {}
+        self._buffers: dict[tuple, np.ndarray] = {}  # scratch, never handed out
+        self._results = _Results()
         nxt, prev = (rank + 1) % self.size, (rank - 1) % self.size
         self._next = _connect(addresses[nxt], timeout, self.names[nxt])
         self._next.sendall(_HELLO.pack(rank, self.size))
@@ -115,8 +117,8 @@ class Ring:
     ) -> tuple[np.ndarray | None, list[np.ndarray]]:
         """One round for a whole step: the sum of `reduce` over every worker (None: none), and
         for each of `gathers` every worker's block concatenated along axis 0 by rank (as
-        `all_gather`). The summed array is the ring's own buffer, valid until the next call:
-        copy it to keep it."""
+        `all_gather`). The summed array may be one of the ring's buffers, reused once
+        nothing refers to it any more (`_Results`)."""
         with self._lock:
             if self._error is not None:
                 raise RingError(f"the ring failed earlier and cannot be used: {self._error}")
@@ -157,7 +159,7 @@ class Ring:
         summed = None
         if reduce is not None:
             flat = reduce.reshape(-1)
-            summed = self._buffer("sum", flat.shape, flat.dtype)
+            summed = self._results.get(flat.shape, flat.dtype)
             parts.append(_bytes_of(flat))
             scratch = self._buffer("scratch", flat.shape, flat.dtype)
             receive.append(_Summing(scratch, flat, summed))
@@ -182,7 +184,7 @@ class Ring:
         summed = chunk = None
         if reduce is not None:
             flat = reduce.reshape(-1)
-            summed = self._buffer("sum", flat.shape, flat.dtype)
+            summed = self._results.get(flat.shape, flat.dtype)
             bounds = np.linspace(0, flat.size, n + 1).astype(np.int64)
             chunk = lambda a, i: a[bounds[i % n] : bounds[i % n + 1]]  # noqa: E731
             scratch = self._buffer("scratch", (int(bounds[1] - bounds[0]) + 1,), flat.dtype)
@@ -210,7 +212,8 @@ class Ring:
         return summed, [np.concatenate(b, axis=0) for b in blocks]
 
     def _buffer(self, name: str, shape, dtype) -> np.ndarray:
-        """A buffer kept between calls (fresh memory would be page-faulted in every step)."""
+        """A scratch buffer kept between calls (fresh memory would be page-faulted in every
+        step); never returned to the caller."""
         key = (name, tuple(shape), np.dtype(dtype))
         buf = self._buffers.get(key)
         if buf is None:
@@ -291,6 +294,52 @@ class Ring:
                     outgoing[0] = head[sent:]
                     sent = 0
         return False
+
+
+class _Results:
+    """Result buffers kept between calls, each reused only once nothing refers to it.
+
+    `tf.numpy_function` does not always copy what it returns: an array aligned to 64 bytes
+    becomes the output tensor's memory (TF 2.21; a misaligned one is copied), and the tensor
+    keeps a reference to it until TensorFlow frees the tensor. So a buffer is handed out again
+    only while its reference count is what the pool alone holds; else another one is made.
+    Buffers are 64-byte aligned, so the step's result reaches TensorFlow without a copy.
+    """
+
+    _KEEP = 4  # buffers per shape; past that, one-off arrays
+    _SHAPES = 16  # shapes remembered (a model's steps repeat a few)
+
+    def __init__(self):
+        self._pool: dict[tuple, list[list]] = {}  # key -> [[memory, array, count alone]]
+
+    def get(self, shape, dtype) -> np.ndarray:
+        key = (tuple(shape), np.dtype(dtype))
+        entries = self._pool.setdefault(key, [])
+        for entry in entries:
+            if _references(entry) == entry[2]:
+                return entry[1]
+        memory, array = _aligned(shape, dtype)
+        entry = [memory, array, 0]
+        del memory  # counted as the checks above count it: the entry, `array.base`
+        entry[2] = _references(entry)
+        if len(entries) < self._KEEP:
+            entries.append(entry)
+        if len(self._pool) > self._SHAPES:
+            self._pool.pop(next(iter(self._pool)))
+        return array
+
+
+def _references(entry: list) -> int:
+    return sys.getrefcount(entry[0])
+
+
+def _aligned(shape, dtype, align: int = 64) -> tuple[np.ndarray, np.ndarray]:
+    """(the memory, an array of `shape` on it starting at a multiple of `align`)."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    memory = np.empty(nbytes + align, np.uint8)
+    start = -memory.ctypes.data % align
+    return memory, memory[start : start + nbytes].view(dtype).reshape(shape)
 
 
 class _Sender:
