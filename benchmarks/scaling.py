@@ -1,4 +1,4 @@
-"""The seed's Mirrored vs CollectiveAllReduce scaling table, on this host.
+"""A 2019 ResNet-50 Mirrored vs CollectiveAllReduce scaling table, remade on this host.
 
 Run: python benchmarks/scaling.py --workers 1,2 --peer --out bench-out
 (the same as `tfstrat bench scaling ...`; see `tfstrat bench --help`).

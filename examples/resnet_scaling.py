@@ -1,6 +1,7 @@
-"""A small ResNet on CIFAR-10-shaped images, and the seeds' scaling table for this machine.
+"""A small ResNet on CIFAR-10-shaped images, and a 2019 ResNet-50 scaling table
+(MirroredStrategy vs CollectiveAllReduce, 8 GPUs per worker) remade for this machine.
 
-Alone, with no `--strategy` and no TF_CONFIG, it prints the seeds' table: the same training
+Alone, with no `--strategy` and no TF_CONFIG, it prints that table: the same training
 run as one process under MirroredNCCL, then with `tfstrat.launch` as 1, 2 and 3 CollectiveAllReduce
 workers (64 images per worker per step, so the global batch grows with the workers), with
 global steps/s, examples/s, efficiency (examples/s over workers x the 1-worker row's) and the
@@ -142,7 +143,7 @@ def train(args) -> None:
 
 
 def table(args) -> None:
-    """The seeds' table: MirroredNCCL in one process, then 1, 2, 3... CollectiveAllReduce
+    """The scaling table: MirroredNCCL in one process, then 1, 2, 3... CollectiveAllReduce
     workers through `tfstrat.launch`, each a run of this script."""
     import tfstrat
 
@@ -230,7 +231,7 @@ def _print_table(rows) -> None:
     print(
         f"\n{PER_WORKER_BATCH} examples per worker per step; rates are each run's last epoch "
         "(Throughput); one thread in each TensorFlow pool per process; efficiency(W) = "
-        "examples/s(W) / (W x examples/s(CAR-1)). The seed measured, with ResNet-50 on 8 GPUs "
+        "examples/s(W) / (W x examples/s(CAR-1)). The 2019 table measured, with ResNet-50 on 8 GPUs "
         "a worker: Mirrored 1.26 global steps/s; CollectiveAllReduce 1.06, 1.98, 2.925 at 1, "
         "2, 3 workers."
     )

@@ -3,7 +3,7 @@
 Both big matrices are `tfstrat.keras.layers.Embedding` tables: the input embedding and the
 softmax weights (with their bias as one more column). Training uses a sampled softmax: each
 step looks up only the rows of its tokens, its targets and 256 sampled words, so under Hybrid
-with ps tasks (the seeds' NLP case, where Parallax shines) both tables stay on the ps tasks and
+with ps tasks (the NLP case, where Parallax shines) both tables stay on the ps tasks and
 only those rows travel, while the LSTM is all-reduced:
 
     tfstrat launch --workers 2 --ps 1 --threads-per-task 1 -- python examples/word_lm.py --quick

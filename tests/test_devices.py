@@ -1,4 +1,4 @@
-"""Device detection must not start TensorFlow's runtime (fact 14 of DESIGN.md)."""
+"""Device detection must not start TensorFlow's runtime (after `list_logical_devices`, a multi-worker strategy can no longer be created)."""
 
 import subprocess
 import sys

@@ -510,7 +510,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_cmd_launch)
 
     p = sub.add_parser(
-        "bench", help="benchmarks: scaling (the seed's table), sparse (embeddings), allreduce"
+        "bench", help="benchmarks: scaling (Mirrored vs CollectiveAllReduce), sparse (embeddings), allreduce"
     )
     p.add_argument("name", choices=["scaling", "sparse", "allreduce"])
     g = p.add_argument_group("Cluster")

@@ -20,7 +20,7 @@ def data(n: int, seed: int = 0):
 
 
 def build_model():
-    """Embedding + Conv1D + Dense, with weights fixed by the seed."""
+    """Embedding + Conv1D + Dense, with weights fixed by the random seed."""
     import keras
 
     keras.utils.set_random_seed(7)

@@ -1,6 +1,6 @@
-"""`tfstrat bench scaling`: the seed's Mirrored vs CollectiveAllReduce table, on this host.
+"""`tfstrat bench scaling`: a 2019 ResNet-50 Mirrored vs CollectiveAllReduce table, remade on this host.
 
-The seed (ResNet-50, 8 GPUs per worker) reported global steps/s: Mirrored 1.26;
+That table (ResNet-50, 8 GPUs per worker) reported global steps/s: Mirrored 1.26;
 CollectiveAllReduce 1 worker 1.06, 2 workers 1.98, 3 workers 2.925. Its global batch grows
 with the workers, so steps/s alone cannot compare rows: every speed-up and the scaling
 efficiency here come from examples/s, efficiency(W) = ex/s(W) / (W x ex/s(1 worker)).
@@ -33,7 +33,7 @@ class ScalingConfig:
     workers: Sequence[int] = (1, 2)
     devices_per_worker: int = 1
     model: str | None = None  # None: resnet50 where GPUs exist, else small
-    batch_per_device: int | None = None  # None: 128 on GPUs (as in the seed), else 64
+    batch_per_device: int | None = None  # None: 128 on GPUs (as in the 2019 table), else 64
     image: int | None = None  # None: 224 for resnet50, 32 for small
     steps: int = 20
     repeats: int = 3

@@ -1,4 +1,4 @@
-"""Connecting a worker process to the ps tasks (DESIGN.md fact 4), with a timeout."""
+"""Connecting a worker process to the ps tasks (TensorFlow's remote eager devices), with a timeout."""
 
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ class Heartbeat:
     """Asks every ps task for its status on a daemon thread; ends the process when one has not
     answered for `timeout` seconds.
 
-    Remote eager ops on a ps have no deadline (DESIGN.md fact 18): a ps that is alive but
+    Remote eager ops on a ps have no deadline (TF 2.21): a ps that is alive but
     silent (SIGSTOP, a frozen host, a partition that drops packets) leaves the main thread
     blocked inside TensorFlow forever, where no Python exception can reach it. A TCP connect
     would not notice (the kernel accepts connections for a stopped process); an RPC with a

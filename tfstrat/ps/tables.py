@@ -1,7 +1,7 @@
 """Embedding tables held by ps tasks, served over tfstrat's own TCP calls (`tfstrat.ps.wire`).
 
 Hybrid's workers run collectives, which cannot share a process with remote eager devices
-(DESIGN.md fact 11), so its tables live in a table server on each ps task: NumPy arrays in the
+(TensorFlow's eager context refuses both), so its tables live in a table server on each ps task: NumPy arrays in the
 ps's memory, updated row by row, reached by a few methods over one TCP connection per worker.
 Tables are addressed by number (a ps starts before any model exists):
 

@@ -1,4 +1,4 @@
-"""Variables that live on ps tasks and are shared by every worker (DESIGN.md fact 4).
+"""Variables that live on ps tasks and are shared by every worker (a raw `VarHandleOp` with the same `shared_name` and `container` on every worker).
 
 Each worker creates the same variables in the same order. The n-th variable gets the same
 `shared_name` in every worker, so their handles name one resource on the ps task that holds
@@ -106,7 +106,7 @@ def wait_initialized(variable: tf.Variable, timeout: float, who: str) -> None:
 
 
 def resource_shape(variable: tf.Variable) -> tf.TensorShape:
-    """The shape of the resource on the ps, whatever the handle declares (DESIGN.md fact 19)."""
+    """The shape of the resource on the ps, whatever the handle declares (TensorFlow does not check a shared variable's shape against its creator's)."""
     with tf.device(variable.device):
         return tf.TensorShape(gen_rv.variable_shape(variable.handle, out_type=tf.int64).numpy())
 

@@ -1,6 +1,6 @@
 """`ParameterServer`: variables on ps tasks, each worker its own `fit` (between-graph replication).
 
-Keras 3 has no parameter-server path (DESIGN.md fact 3). This strategy brings back TF1's:
+Keras 3 has no parameter-server path (its `fit` refuses ParameterServerStrategy's datasets). This strategy brings back TF1's:
 each worker process connects its eager context to the ps tasks (fact 4) and trains with plain
 `model.fit`; every variable created in the scope lives on a ps task, shared by all workers by
 name. The strategy is a one-replica strategy per worker: the forward and backward pass run on
@@ -93,7 +93,7 @@ class _Extended(one_device_strategy.OneDeviceExtended):
             var.assign(tf.cast(value, var.dtype), read_value=False)
 
     def _check_resource(self, var, label: str):
-        """Records a ps resource whose shape is not the declared one (DESIGN.md fact 19)."""
+        """Records a ps resource whose shape is not the declared one (TensorFlow does not check it)."""
         if not var.shape.is_fully_defined():
             return
         held = psvars.resource_shape(var)
