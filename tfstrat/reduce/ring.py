@@ -144,6 +144,7 @@ class Ring:
         self.timeout = timeout
 
     def close(self):
+        self._sender.stop()
         for s in (self._next, self._prev):
             try:
                 s.close()
@@ -352,8 +353,14 @@ class _Sender:
         self.work = threading.Condition()
         self.outgoing: list | None = None
         self.error: str | None = None
-        self.busy = False
+        self.busy = self.stopped = False
         threading.Thread(target=self._loop, name="tfstrat-ring-send", daemon=True).start()
+
+    def stop(self):
+        """Ends the thread (after the message it may be sending)."""
+        with self.work:
+            self.stopped = True
+            self.work.notify_all()
 
     def send(self, outgoing: list[memoryview]):
         with self.work:
@@ -372,7 +379,9 @@ class _Sender:
         ring = self.ring
         while True:
             with self.work:
-                self.work.wait_for(lambda: self.outgoing is not None)
+                self.work.wait_for(lambda: self.outgoing is not None or self.stopped)
+                if self.outgoing is None:  # stopped
+                    return
                 outgoing, self.outgoing = self.outgoing, None
             error = None
             try:
