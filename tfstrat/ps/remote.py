@@ -86,11 +86,6 @@ class TableClients:
                     raise
                 self._unread.setdefault(ps, []).append(method)
 
-    def read_unread(self) -> None:
-        """Reads the answers of `send_all`'s calls (raising an error one carries)."""
-        with self._lock:
-            self._read_unread()
-
     def _read_unread(self) -> None:
         for ps in list(self._unread):
             methods = self._unread[ps]

@@ -83,7 +83,7 @@ class Ring:
         self.bytes_sent = 0
         self._lock = threading.Lock()
         self._error: BaseException | None = None
-        self._buffers: dict[tuple, np.ndarray] = {}  # scratch, never handed out
+        self._scratch_buf: np.ndarray | None = None
         self._results = _Results()
         nxt, prev = (rank + 1) % self.size, (rank - 1) % self.size
         self._next = _connect(addresses[nxt], timeout, self.names[nxt])
@@ -162,7 +162,7 @@ class Ring:
             flat = reduce.reshape(-1)
             summed = self._results.get(flat.shape, flat.dtype)
             parts.append(_bytes_of(flat))
-            scratch = self._buffer("scratch", flat.shape, flat.dtype)
+            scratch = self._scratch(flat.shape, flat.dtype)
             receive.append(_Summing(scratch, flat, summed))
         gathered = []
         for g in gathers:
@@ -188,7 +188,7 @@ class Ring:
             summed = self._results.get(flat.shape, flat.dtype)
             bounds = np.linspace(0, flat.size, n + 1).astype(np.int64)
             chunk = lambda a, i: a[bounds[i % n] : bounds[i % n + 1]]  # noqa: E731
-            scratch = self._buffer("scratch", (int(bounds[1] - bounds[0]) + 1,), flat.dtype)
+            scratch = self._scratch((int(bounds[1] - bounds[0]) + 1,), flat.dtype)
         for step in range(n - 1):
             parts, receive = [], []
             if reduce is not None:  # reduce-scatter: chunk r+1 ends up summed here
@@ -212,16 +212,16 @@ class Ring:
             summed = summed.reshape(reduce.shape)
         return summed, [np.concatenate(b, axis=0) for b in blocks]
 
-    def _buffer(self, name: str, shape, dtype) -> np.ndarray:
-        """A scratch buffer kept between calls (fresh memory would be page-faulted in every
-        step); never returned to the caller."""
-        key = (name, tuple(shape), np.dtype(dtype))
-        buf = self._buffers.get(key)
-        if buf is None:
-            for old in [k for k in self._buffers if k[0] == name]:
-                del self._buffers[old]  # one size per kind: a model's step repeats its sizes
-            buf = self._buffers[key] = np.empty(shape, dtype)
-        return buf
+    def _scratch(self, shape, dtype) -> np.ndarray:
+        """The receive buffer, kept between calls (fresh memory would be page-faulted in every
+        step); never returned to the caller. One size at a time: a model's steps repeat it."""
+        if (
+            self._scratch_buf is None
+            or self._scratch_buf.shape != tuple(shape)
+            or (self._scratch_buf.dtype != np.dtype(dtype))
+        ):
+            self._scratch_buf = np.empty(shape, dtype)
+        return self._scratch_buf
 
     # -- one duplex round: send `parts` to the next worker, receive into `receive` ------------
 
