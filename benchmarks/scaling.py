@@ -6,7 +6,7 @@ Run: python benchmarks/scaling.py --workers 1,2 --peer --out bench-out
 
 import sys
 
-from tfstrat.cli import main
+from tfstrat.commands.main import main
 
 if __name__ == "__main__":
     sys.exit(main(["bench", "scaling", *sys.argv[1:]]))

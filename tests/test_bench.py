@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tfstrat.cli import main
+from tfstrat.commands.main import main
 
 
 def test_speed_ups_and_efficiency_from_examples_per_s():

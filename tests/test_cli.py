@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tfstrat.cli import main
+from tfstrat.commands.main import main
 
 TF_CONFIG_ARGS = [
     "tf-config",
@@ -90,7 +90,7 @@ def test_devices_json(capsys):
     [(True, 2, True), (True, 4, True), (True, 1, False), (True, 0, False), (False, 2, False)],
 )
 def test_nccl_is_usable_with_a_cuda_build_and_two_gpus(cuda_build, gpus, usable):
-    from tfstrat.devices import GPU, DeviceInfo
+    from tfstrat.cluster.devices import GPU, DeviceInfo
 
     info = DeviceInfo(
         cpu_count=8,

@@ -353,17 +353,27 @@ def test_tensorflow_accepts_our_json(monkeypatch, data):
     )
 
 
-def test_module_does_not_import_tensorflow_at_top_level():
-    tree = ast.parse(pathlib.Path(cluster.__file__).read_text())
-    top = [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)]
-    names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
-    names += [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
-    assert not [name for name in names if name.split(".")[0] in ("tensorflow", "keras")]
+def test_package_does_not_import_tensorflow_at_top_level():
+    files = sorted(pathlib.Path(cluster.__file__).parent.glob("*.py"))
+    assert len(files) >= 6
+    for path in files:
+        tree = ast.parse(path.read_text())
+        top = [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)]
+        names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
+        names += [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
+        assert not [name for name in names if name.split(".")[0] in ("tensorflow", "keras")], path
 
 
 def test_docstring_examples_run():
-    result = doctest.testmod(cluster, optionflags=doctest.ELLIPSIS)
-    assert result.attempted > 5 and result.failed == 0
+    import tfstrat.errors
+    from tfstrat.cluster import config, layout, ports
+
+    attempted = 0
+    for module in (config, layout, ports, tfstrat.errors):
+        result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+        assert result.failed == 0, module.__name__
+        attempted += result.attempted
+    assert attempted > 5
 
 
 # ----- bad input: one line naming the value and the fix -----

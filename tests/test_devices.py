@@ -9,7 +9,7 @@ import tfstrat
 DEVICES_THEN_MULTIWORKER = """
 import json, os, socket
 import tfstrat
-from tfstrat.devices import runtime_initialized
+from tfstrat.cluster.devices import runtime_initialized
 info = tfstrat.devices()
 assert not runtime_initialized(), "devices() started the runtime"
 assert info.cpu_count >= 1 and info.tpu is None and not info.gpus

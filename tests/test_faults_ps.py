@@ -15,7 +15,7 @@ sys.path.insert(0, SCRIPTS)
 from cluster import launch_script, start_task  # noqa: E402
 
 from tfstrat import TFConfig  # noqa: E402
-from tfstrat._agreement import describe, digest, first_difference  # noqa: E402
+from tfstrat.strategies.agreement import describe, digest, first_difference  # noqa: E402
 
 TIMEOUT = 10  # the strategy's `timeout=` in these runs
 START_UP = 90  # importing TensorFlow, connecting and tracing, on a loaded 2-core machine

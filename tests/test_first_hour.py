@@ -19,7 +19,8 @@ import time
 
 import pytest
 
-from tfstrat import _quiet, cli
+from tfstrat.commands import main as cli
+from tfstrat.runtime import quiet as _quiet
 
 PY = sys.executable
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -22,8 +22,9 @@ import uuid
 import numpy as np
 import pytest
 
-from tfstrat import TFConfig, cli
-from tfstrat._nodes import NodeLayout
+from tfstrat import TFConfig
+from tfstrat.cluster.layout import NodeLayout
+from tfstrat.commands import main as cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "tests", "scripts")

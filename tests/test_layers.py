@@ -70,7 +70,8 @@ def test_a_ps_held_table_saves_its_optimizer_slots_where_a_stock_model_does_not_
     import keras
     import tensorflow as tf
 
-    from tfstrat.cluster import TFConfig, _free_port_pairs
+    from tfstrat.cluster import TFConfig
+    from tfstrat.cluster.ports import free_port_pairs as _free_port_pairs
     from tfstrat.keras.layers import Embedding
     from tfstrat.ps.connect import wait_for_ps
     from tfstrat.ps.remote import RemoteTable, TableClients
@@ -125,7 +126,8 @@ def test_a_ps_table_server_answers_lookups_over_4_mib_and_names_itself_in_errors
 
     import tensorflow as tf
 
-    from tfstrat.cluster import TFConfig, _free_port_pairs
+    from tfstrat.cluster import TFConfig
+    from tfstrat.cluster.ports import free_port_pairs as _free_port_pairs
     from tfstrat.ps.connect import wait_for_ps
     from tfstrat.ps.remote import RemoteTable, TableClients
     from tfstrat.ps.wire import TableServerError
@@ -215,7 +217,7 @@ def _lazy_reference(name, start, steps):
 def test_a_ps_table_steps_as_a_lazy_mirrored_table_for_every_optimizer():
     """Pushes to a real table server (the ps's NumPy steps) and a worker's Keras optimizer on a
     lazily updated mirrored table (tfstrat/keras/_rowwise.py) give the rows of Keras's update
-    rules written out in NumPy. Both share `tfstrat/_rowmath.py`, so neither is the other's
+    rules written out in NumPy. Both share `tfstrat/ps/rowmath.py`, so neither is the other's
     reference."""
     import os
     import subprocess
@@ -225,7 +227,8 @@ def test_a_ps_table_steps_as_a_lazy_mirrored_table_for_every_optimizer():
     import tensorflow as tf
 
     import tfstrat.keras  # noqa: F401  (installs the row-wise steps)
-    from tfstrat.cluster import TFConfig, _free_port_pairs
+    from tfstrat.cluster import TFConfig
+    from tfstrat.cluster.ports import free_port_pairs as _free_port_pairs
     from tfstrat.keras import _rowwise
     from tfstrat.ps.connect import wait_for_ps
     from tfstrat.ps.remote import RemoteTable, TableClients, optimizer_hyper

@@ -1,10 +1,10 @@
-"""Where tfstrat's own listeners bind (tfstrat/_ports.py): declared ports, own addresses."""
+"""Where tfstrat's own listeners bind (tfstrat/cluster/ports.py): declared ports, own addresses."""
 
 import socket
 
 import pytest
 
-from tfstrat import _ports
+from tfstrat.cluster import ports as _ports
 
 
 def test_split_and_join_handle_ipv6():

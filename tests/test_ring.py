@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from tfstrat import _ports
+from tfstrat.cluster import ports as _ports
 from tfstrat.reduce import ring
 
 

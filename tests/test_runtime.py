@@ -1,4 +1,4 @@
-"""The process settings tfstrat makes (`tfstrat/_runtime.py`): TensorFlow's BFC CPU allocator.
+"""The process settings tfstrat makes (`tfstrat/runtime/allocator.py`): TensorFlow's BFC CPU allocator.
 
 A step under a one-device strategy ran at half the speed of plain Keras with TensorFlow's
 default CPU allocator (benchmarks/overhead). These tests fail if a process that uses
@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tfstrat import LaunchConfig, _runtime, launch
+from tfstrat import LaunchConfig, launch
+from tfstrat.runtime import allocator as _runtime
 
 PY = sys.executable
 PROBE = str(Path(__file__).parent / "scripts" / "runtime_probe.py")
@@ -38,6 +39,7 @@ CASES = {
     "turned_off": (["create"], {_runtime.SWITCH: "default"}),
     "users_choice": (["create"], {_runtime.ALLOCATOR: "false"}),
     "too_late": (["late"], {}),
+    "import_only": (["import"], {}),
 }
 
 
@@ -62,7 +64,14 @@ def probes():
     return results
 
 
-def test_import_tfstrat_puts_one_device_strategies_on_the_bfc_allocator(probes):
+def test_import_tfstrat_changes_nothing_in_the_process(probes):
+    report, err = probes["import_only"]
+    assert report["import_changed_env"] == [] and not report["import_imported_tensorflow"], report
+    assert report["env"] is None and report["allocator"] == "default", report
+    assert LOG_LINE not in err, err
+
+
+def test_creating_a_strategy_puts_the_process_on_the_bfc_allocator(probes):
     report, err = probes["default"]
     assert report["env"] == "true", report
     assert report["allocator"] == "bfc", report
@@ -103,7 +112,7 @@ def test_the_users_own_setting_wins_silently(probes):
 def test_too_late_warns_once_naming_the_variable(probes):
     report, err = probes["too_late"]
     assert report["env"] is None and report["allocator"] == "default", report
-    warning = [x for x in err.splitlines() if "before `import tfstrat`" in x]
+    warning = [x for x in err.splitlines() if "before the first tfstrat strategy" in x]
     assert len(warning) == 1, err
     assert "TF_CPU_ALLOCATOR_USE_BFC=true" in warning[0], warning
     assert "TFSTRAT_CPU_ALLOCATOR=default" in warning[0], warning
@@ -140,7 +149,7 @@ def test_task_env_keeps_the_users_value(monkeypatch):
     assert _runtime.task_env({_runtime.ALLOCATOR: "false"}) == {_runtime.ALLOCATOR: "false"}
 
 
-def test_task_env_turned_off_drops_the_value_import_tfstrat_set(monkeypatch):
+def test_task_env_turned_off_drops_the_value_tfstrat_set(monkeypatch):
     monkeypatch.setattr(_runtime, "_state", "set")
     monkeypatch.setenv(_runtime.ALLOCATOR, "true")
     env = _runtime.task_env({_runtime.ALLOCATOR: "true", _runtime.SWITCH: "default"})

@@ -6,18 +6,28 @@ Example:
     ...     model = build_model(); model.compile(optimizer="adam", loss="mse")
     >>> model.fit(dataset)  # doctest: +SKIP
 
-The strategies import TensorFlow when first used, so `import tfstrat` and the `tfstrat`
-command's cluster tools (`tf-config`, `launch`) start fast.
+`import tfstrat` imports neither TensorFlow nor Keras and changes nothing in the process: the
+strategies import TensorFlow when first used and apply tfstrat's process settings when created
+(`tfstrat.runtime`), so the `tfstrat` command's cluster tools start fast.
+
+The layers, from the bottom: `errors`; `cluster` (TF_CONFIG, hosts, ports, devices) and
+`runtime` (process settings), both TensorFlow-free; `_compat` (the one seam to TensorFlow's
+and Keras's internals); `reduce` (all-reduce), `ps` (parameter servers and their tables) and
+`keras` (layers, callbacks, Keras integration); `strategies`; `launcher` (`tfstrat launch`,
+TensorFlow-free); `bench` and `commands` (the `tfstrat` command).
 """
 
-from tfstrat import _logging, _runtime
-from tfstrat.cluster import TFConfig, TFConfigError
-from tfstrat.devices import DeviceInfo, devices, split_cpu
-from tfstrat.launch import LaunchConfig, NodeLayout, launch
+# The old module paths `tfstrat.launch` and `tfstrat.devices` are imported first, so that the
+# names below (functions of the same names) are what `tfstrat.launch` and `tfstrat.devices` are.
+from tfstrat import devices as _devices_module  # noqa: F401
+from tfstrat import launch as _launch_module  # noqa: F401
+from tfstrat.cluster import TFConfig
+from tfstrat.cluster.devices import DeviceInfo, devices, split_cpu
+from tfstrat.cluster.layout import NodeLayout
+from tfstrat.errors import TFConfigError, TfstratError
+from tfstrat.launcher.api import LaunchConfig, launch
 
 __version__ = "0.1.0"
-_logging.setup()
-_runtime.configure()  # TF_CPU_ALLOCATOR_USE_BFC=true unless turned off (see _runtime)
 
 _LAZY = {
     "auto": "tfstrat.strategies.auto",
@@ -31,6 +41,7 @@ _LAZY = {
 __all__ = [
     "TFConfig",
     "TFConfigError",
+    "TfstratError",
     "DeviceInfo",
     "devices",
     "split_cpu",

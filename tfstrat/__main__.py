@@ -1,5 +1,5 @@
 import sys
 
-from tfstrat.cli import main
+from tfstrat.commands.main import main
 
 sys.exit(main())

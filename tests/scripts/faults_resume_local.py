@@ -24,8 +24,8 @@ out = sys.argv[1]
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from tfstrat.keras import _shuffle  # noqa: E402
 from tfstrat.keras import callbacks as tfcallbacks  # noqa: E402
-from tfstrat.strategies import _shuffle  # noqa: E402
 
 x = np.arange(10, dtype="float32")[:, None]
 y = (x[:, 0] % 3).astype("float32")

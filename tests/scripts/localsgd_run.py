@@ -124,7 +124,7 @@ if args.plain:
     raise SystemExit(0)
 
 from tfstrat.keras.callbacks import BackupAndRestore  # noqa: E402
-from tfstrat.traffic import tcp_bytes  # noqa: E402
+from tfstrat.runtime.traffic import tcp_bytes  # noqa: E402
 
 task = os.environ["TFSTRAT_TASK"].replace(":", "_")
 report, arrays = {"seconds": {}}, {}

@@ -46,7 +46,7 @@ import tensorflow as tf  # noqa: E402
 from common import CLASSES, SEQ, VOCAB, compile_model, data, dump_loaded, optimizer  # noqa: E402
 
 from tfstrat.keras.layers import Embedding  # noqa: E402
-from tfstrat.traffic import tcp_bytes  # noqa: E402
+from tfstrat.runtime.traffic import tcp_bytes  # noqa: E402
 
 
 def build(stock: bool, vocab: int = VOCAB, dim: int = 8):

@@ -9,12 +9,13 @@ import platform
 import sys
 from collections.abc import Sequence
 
-from tfstrat.launch import LaunchConfig, launch
+from tfstrat.errors import UnknownRows
+from tfstrat.launcher.api import LaunchConfig, launch
 
 
 def machine() -> dict:
     """What every row records about the machine it ran on."""
-    from tfstrat.devices import devices
+    from tfstrat.cluster.devices import devices
 
     info = devices()
     return {
@@ -58,7 +59,7 @@ TUNED = {"TF_CPU_ALLOCATOR_USE_BFC": "true"}
 def with_tuned_peers(rows: list[tuple]) -> list[tuple]:
     """`rows` (id, label, strategy, ..., env last) with a "stock, tuned" twin after each peer
     row (P-1 and the stock ones): the same peer given the CPU allocator tfstrat gives its own
-    tasks (`tfstrat._runtime`), so a table shows both what a user gets out of the box and the
+    tasks (`tfstrat.runtime.allocator`), so a table shows both what a user gets out of the box and the
     like-for-like comparison."""
     out = []
     for row in rows:
@@ -89,10 +90,6 @@ def against_limit(row: dict, rows: Sequence[dict]) -> None:
     x = row.get("examples_per_s")
     multi = row["workers"] > 1 and not row["row"].startswith("P-1x")
     row["vs_limit"] = x / limit if x and limit and multi else None
-
-
-class UnknownRows(ValueError):
-    """`--rows` named a row the benchmark does not have."""
 
 
 def select(rows: list[dict], wanted: Sequence[str] | None) -> list[dict]:
@@ -137,7 +134,7 @@ def run_row(
     peer = not str(config.get("strategy", "")).startswith(TFSTRAT_STRATEGIES)
     if peer and "TF_CPU_ALLOCATOR_USE_BFC" not in (env or {}):
         # A peer row runs as a user without tfstrat would: TensorFlow's own CPU allocator, not
-        # the one `import tfstrat` picks for this process and its tasks (`tfstrat._runtime`).
+        # the one `import tfstrat` picks for this process and its tasks (`tfstrat.runtime.allocator`).
         env = {**(env or {}), "TFSTRAT_CPU_ALLOCATOR": "default"}
     out = io.StringIO()
     command = [sys.executable, "-m", module, json.dumps(config)]

@@ -25,7 +25,7 @@ def _serve_until_chief_exits():
     import socket
 
     from tfstrat.cluster import TFConfig
-    from tfstrat.server import start_server
+    from tfstrat.ps.server import start_server
 
     config = TFConfig.from_env()
     server = start_server(config)  # noqa: F841 (kept alive while we wait)
@@ -260,7 +260,7 @@ def main(config: dict) -> dict:
         def on_train_end(self, logs=None):
             self.per_step = (ring.bytes_sent - self.start) / (steps * repeats)
 
-    from tfstrat.traffic import tcp_bytes
+    from tfstrat.runtime.traffic import tcp_bytes
 
     clock, traffic, ring_bytes = Clock(), Traffic(), RingBytes()
     steps, repeats = int(config["steps"]), int(config["repeats"])
@@ -323,7 +323,7 @@ def main(config: dict) -> dict:
 
 
 def _sent_bytes() -> int:
-    from tfstrat.traffic import tcp_bytes
+    from tfstrat.runtime.traffic import tcp_bytes
 
     return tcp_bytes()[0]
 

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import logging
 
+from tfstrat._compat import patches
+
 logger = logging.getLogger(__name__)
 
 _installed = False
@@ -34,7 +36,7 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    from tfstrat._compat.keras import TensorFlowTrainer
 
     keras_build = TensorFlowTrainer._maybe_symbolic_build
 
@@ -59,7 +61,12 @@ def install() -> None:
                 prepare(self, strategy, data_batch)
         return keras_build(self, iterator=iterator, data_batch=data_batch)
 
-    TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build
+    patches.patch(
+        TensorFlowTrainer,
+        "_maybe_symbolic_build",
+        _maybe_symbolic_build,
+        "builds from one replica's batch (bool/string inputs, uneven slices), not their mean",
+    )
     _installed = True
 
 
@@ -109,7 +116,8 @@ def _first_batch(strategy, iterator):
     shapes): the replica with the most rows. When even that one has none (a worker's slice of
     a batch smaller than the workers), specs with an unknown batch size instead."""
     import tensorflow as tf
-    from keras.src import tree
+
+    from tfstrat._compat.keras import tree
 
     batch = None
     for _, _, it in iterator:
@@ -140,7 +148,8 @@ def prepare(model, strategy, data_batch) -> None:
     """Builds `model`'s sub-models and unbuilt optimizers from a scratch trace of its
     `train_step` on batches shaped like `data_batch` (see the module docstring)."""
     import tensorflow as tf
-    from keras.src import tree
+
+    from tfstrat._compat.keras import tree
 
     optimizers = [o for o in own_optimizers(model) if not o.built]
     if model.optimizer is not None and not model.optimizer.built:

@@ -1,4 +1,4 @@
-"""Keras optimizers apply a sparse gradient to the touched rows only (`tfstrat._rowmath`).
+"""Keras optimizers apply a sparse gradient to the touched rows only (`tfstrat.ps.rowmath`).
 
 **Adagrad, always (exact).** A gradient that reaches Keras 3's `Adagrad.update_step` as
 `tf.IndexedSlices` (an Embedding's, or the deduplicated rows tfstrat's strategies reduce) is
@@ -29,8 +29,9 @@ from __future__ import annotations
 import logging
 import os
 
-from tfstrat import _rowmath
+from tfstrat._compat import patches
 from tfstrat.keras import _local
+from tfstrat.ps import rowmath as _rowmath
 
 logger = logging.getLogger(__name__)
 SWITCH = "TFSTRAT_ROWWISE"
@@ -99,7 +100,9 @@ def install() -> bool:
             return own(self, gradient, variable, learning_rate)
 
         update_step.__doc__ = own.__doc__
-        cls.update_step = update_step
+        patches.patch(
+            cls, "update_step", update_step, "a sparse gradient updates only the touched rows"
+        )
 
     opt = keras.optimizers
     wrap(opt.Adagrad, lambda o: "adagrad", always=True)
@@ -116,7 +119,7 @@ def install() -> bool:
     return True
 
 
-_SLOT_LISTS = {  # where each Keras optimizer keeps the slots `_rowmath` names
+_SLOT_LISTS = {  # where each Keras optimizer keeps the slots `tfstrat.ps.rowmath` names
     "accumulator": "_accumulators",
     "momentum": "_momentums",
     "velocity": "_velocities",
@@ -130,7 +133,7 @@ def _slot_list(optimizer, name):
 
 
 def _update_rows(optimizer, tf, kind, gradient, variable, learning_rate):
-    """`kind`'s step (`tfstrat._rowmath`) for the rows `gradient` touches."""
+    """`kind`'s step (`tfstrat.ps.rowmath`) for the rows `gradient` touches."""
     from keras import ops
 
     dtype = variable.dtype

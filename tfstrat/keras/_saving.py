@@ -9,9 +9,8 @@ rule: **when the workers' k-th saves name the same absolute path, only the chief
 otherwise each worker writes its own file.**
 
 - the chief (worker 0, or the chief task) writes the file under a temporary name in the same
-  directory, flushes it to disk and renames it over the final name (tfstrat's callbacks'
-  `_publish`): a reader sees the previous file or the new one, never part of one; it then
-  hands in its outcome and the path it wrote (TensorFlow's coordination service; under
+  directory, flushes it to disk and renames it over the final name (`_atomic.publish`): a
+  reader sees the previous file or the new one, never part of one; it then hands in its outcome and the path it wrote (TensorFlow's coordination service; under
   `ParameterServer`, ps 0) and goes on. The chief never waits: code that saves on the chief
   only works as before.
 - another worker saves into a private temporary directory and waits for the chief's outcome
@@ -26,22 +25,47 @@ otherwise each worker writes its own file.**
 Saves into a directory (`zipped=False`) and sharded weights (`max_shard_size`) are several
 files: the chief writes them in place (not atomically), another worker moves its copies to its
 own path when the paths differ. A model outside any multi-worker strategy saves as Keras does.
+
+The strategies take part through a small interface (`Coordinated`), so this module knows no
+strategy: a multi-worker tfstrat strategy has `num_workers`, `worker_index`, `tf_config`,
+`timeout`, and publishes and reads the chief's outcome of a save by key.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import os
 import shutil
 import tempfile
 import threading
+from typing import Protocol, runtime_checkable
 
-from tfstrat.keras.callbacks import _publish, _temporary, _unlink
+from tfstrat._compat import patches
+from tfstrat.cluster import TFConfig
+from tfstrat.keras._atomic import publish, temporary, unlink
 
 logger = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class Coordinated(Protocol):
+    """What a multi-worker strategy gives the savers (CollectiveAllReduce and its kinds through
+    TensorFlow's coordination service, ParameterServer through ps 0)."""
+
+    num_workers: int
+    worker_index: int
+    tf_config: TFConfig
+    timeout: float
+
+    def _tfstrat_publish(self, key: str, outcome: dict) -> None:
+        """The chief hands in `outcome` (JSON-able) under `key`; never waits."""
+
+    def _tfstrat_read_chief(self, key: str, names: list[str]) -> dict:
+        """The chief's outcome under `key`, waiting up to `timeout` seconds (names: the
+        tasks by worker index, for the error)."""
+
 
 _installed = _stock = False
 _saves: dict[str, int] = {}  # this worker's saves: its k-th save waits for the chief's k-th
@@ -54,13 +78,16 @@ def install() -> None:
     if _installed or _stock:
         return
     import keras
-    from keras.src.saving import saving_api
 
+    from tfstrat._compat.keras import saving_api
+
+    why = "multi-worker saves: the chief writes a shared path, atomically"
     for name in ("save_model", "save_weights"):
         original = getattr(saving_api, name)
         wrapped = functools.wraps(original)(functools.partial(_save, original, name))
-        setattr(saving_api, name, wrapped)  # model.save / save_weights call these
-    keras.saving.save_model = keras.models.save_model = saving_api.save_model
+        patches.patch(saving_api, name, wrapped, why)  # model.save / save_weights call these
+    patches.patch(keras.saving, "save_model", saving_api.save_model, why)
+    patches.patch(keras.models, "save_model", saving_api.save_model, why)
     _installed = True
 
 
@@ -69,12 +96,16 @@ def uninstall() -> None:
     global _installed, _stock
     _stock = True
     import keras
-    from keras.src.saving import saving_api
 
-    for name in ("save_model", "save_weights"):
-        fn = getattr(saving_api, name)
-        setattr(saving_api, name, getattr(fn, "__wrapped__", fn))
-    keras.saving.save_model = keras.models.save_model = saving_api.save_model
+    from tfstrat._compat.keras import saving_api
+
+    for owner, name in (
+        (saving_api, "save_model"),
+        (saving_api, "save_weights"),
+        (keras.saving, "save_model"),
+        (keras.models, "save_model"),
+    ):
+        patches.remove(owner, name)
     _installed = False
 
 
@@ -83,10 +114,7 @@ def _multi_worker(model):
     strategy = getattr(model, "_distribute_strategy", None)
     if strategy is None or not hasattr(strategy, "num_workers") or strategy.num_workers < 2:
         return None
-    from tfstrat.strategies.collective import CollectiveAllReduce
-    from tfstrat.strategies.ps import ParameterServer
-
-    return strategy if isinstance(strategy, (CollectiveAllReduce, ParameterServer)) else None
+    return strategy if isinstance(strategy, Coordinated) else None
 
 
 _own = threading.local()
@@ -129,12 +157,12 @@ def _save(original, kind, model, filepath, overwrite=True, *args, **kwargs):
 
 def _save_atomically(original, model, final, overwrite, args, kwargs):
     _refuse_overwrite(final, overwrite)
-    tmp = _temporary(final)
+    tmp = temporary(final)
     try:
         original(model, tmp, True, *args, **kwargs)
-        _publish(tmp, final)
+        publish(tmp, final)
     finally:
-        _unlink(tmp)
+        unlink(tmp)
 
 
 def _refuse_overwrite(final: str, overwrite: bool) -> None:
@@ -169,12 +197,12 @@ def _save_elsewhere(strategy, original, model, final, overwrite, several, args, 
 def _move_out(scratch: str, final: str, several: bool) -> None:
     """The files saved in `scratch` at `final` (one file: atomically)."""
     if not several:
-        tmp = _temporary(final)
+        tmp = temporary(final)
         try:
             shutil.copyfile(os.path.join(scratch, os.path.basename(final)), tmp)
-            _publish(tmp, final)
+            publish(tmp, final)
         finally:
-            _unlink(tmp)
+            unlink(tmp)
         return
     where = os.path.dirname(os.path.abspath(final))
     for name in os.listdir(scratch):  # a directory (zipped=False) or a weights file's shards
@@ -184,14 +212,10 @@ def _move_out(scratch: str, final: str, several: bool) -> None:
         shutil.move(os.path.join(scratch, name), target)
 
 
-def _task_names(strategy) -> list[str]:
+def _task_names(strategy: Coordinated) -> list[str]:
     """Task names by worker index (the chief task first, as TensorFlow ranks them)."""
-    tf_config = getattr(strategy, "tf_config", None) or strategy.extended.tf_config
-    names = [
-        f"{job}:{i}" for job in ("chief", "worker") for i in range(len(tf_config.addresses(job)))
-    ]
-    names[0] += " (the chief)"
-    return names
+    tf_config = strategy.tf_config
+    return [tf_config.trainer_name(w) for w in range(tf_config.num_workers)]
 
 
 def _synchronise(strategy, final: str, error: BaseException | None) -> bool:
@@ -208,14 +232,14 @@ def _synchronise(strategy, final: str, error: BaseException | None) -> bool:
     key = f"tfstrat-save-{count}"
     if strategy.worker_index == 0:
         outcome = {"error": None if error is None else repr(error), "path": path}
-        _hand_in(strategy, key, outcome)
+        strategy._tfstrat_publish(key, outcome)
         return True
     try:
-        chief = _chief_outcome(strategy, key, names)
+        chief = strategy._tfstrat_read_chief(key, names)
     except Exception as e:
         raise RuntimeError(
             f"tfstrat: {me} saving {final}: {names[0]} did not finish its save number {count} "
-            f"within {_timeout(strategy):g} s ({e}). Only {names[0]} "
+            f"within {strategy.timeout:g} s ({e}). Only {names[0]} "
             "writes a path every worker names; when other workers save too, each must save "
             "as often as the chief, at the same points (to any path)."
         ) from e
@@ -226,41 +250,3 @@ def _synchronise(strategy, final: str, error: BaseException | None) -> bool:
             "its log has the traceback."
         )
     return shared
-
-
-def _timeout(strategy) -> float:
-    return getattr(strategy, "timeout", None) or strategy.extended.timeout
-
-
-def _hand_in(strategy, key: str, outcome: dict) -> None:
-    from tfstrat.strategies.collective import CollectiveAllReduce
-
-    if isinstance(strategy, CollectiveAllReduce):
-        from tensorflow.python.eager import context
-
-        context.context().set_config_key_value(key, json.dumps(outcome))
-        return
-    from tfstrat.ps import variables as psvars
-
-    psvars.publish(key, 0, outcome, strategy)
-
-
-def _chief_outcome(strategy, key: str, names: list[str]) -> dict:
-    """The chief's outcome under `key`, waiting up to the strategy's timeout."""
-    from tfstrat.strategies.collective import CollectiveAllReduce
-
-    ext = strategy.extended
-    if isinstance(strategy, CollectiveAllReduce):
-        from tensorflow.python.eager import context
-
-        # TensorFlow's coordination service (every chief/worker joined it at start-up).
-        value = context.context().get_config_key_value(key, int(_timeout(strategy) * 1000))
-        return json.loads(value)
-    from tfstrat.ps import variables as psvars
-
-    where = f"ps:0 at {ext.tf_config.addresses('ps')[0]}"
-    for _, theirs in psvars.read_published(
-        key, [0], ext.timeout, lambda w: names[w], where, "save outcome", strategy
-    ):
-        return theirs
-    raise AssertionError("unreachable: read_published yields or raises")

@@ -14,7 +14,7 @@ The callback adds to the logs of every training step and epoch (so to the progre
   received from the ps tasks per step in this epoch so far, both directions, gRPC framing
   included. No tfstrat strategy counts its own bytes; this reads the kernel's counters of the
   process's TCP sockets whose peer is a ps task's TF_CONFIG port P or its tfstrat port P +
-  `TFSTRAT_PORT_OFFSET` (`tfstrat.traffic.tcp_bytes`, the measurement `tfstrat bench sparse`
+  `TFSTRAT_PORT_OFFSET` (`tfstrat.runtime.traffic.tcp_bytes`, the measurement `tfstrat bench sparse`
   reports). During an epoch it is read at most once a second (one read walks /proc/self/fd).
 
 Automatically: `install()` (called by the tfstrat strategies) makes every `fit` of a model
@@ -32,6 +32,8 @@ import time
 import weakref
 
 import keras
+
+from tfstrat._compat import patches
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +157,7 @@ class Throughput(keras.callbacks.Callback):
     def _read_bytes(self) -> int:
         if not self._ps_ports:
             return 0
-        from tfstrat.traffic import tcp_bytes
+        from tfstrat.runtime.traffic import tcp_bytes
 
         return sum(tcp_bytes(self._ps_ports))
 
@@ -192,7 +194,7 @@ def _ps_ports(model) -> set[int] | None:
         addresses = tf_config.addresses("ps") if hasattr(tf_config, "addresses") else ()
     if not addresses:
         return None
-    from tfstrat import _ports
+    from tfstrat.cluster import ports as _ports
 
     ports = set()
     for address in addresses:
@@ -212,7 +214,7 @@ def _watch_epoch_iterators() -> None:
     callbacks are never given the batch size.
     """
     global _latest_iterator
-    from keras.src.trainers.epoch_iterator import EpochIterator
+    from tfstrat._compat.keras import EpochIterator
 
     if getattr(EpochIterator.__init__, "_tfstrat_throughput", False):
         return
@@ -224,7 +226,7 @@ def _watch_epoch_iterators() -> None:
         _latest_iterator = weakref.ref(self)
 
     __init__._tfstrat_throughput = True
-    EpochIterator.__init__ = __init__
+    patches.patch(EpochIterator, "__init__", __init__, "the Throughput callback's batch size")
 
 
 def _is_tfstrat(strategy) -> bool:
@@ -234,7 +236,7 @@ def _is_tfstrat(strategy) -> bool:
 def _with_throughput(callbacks, model):
     """`fit`'s callbacks with a Throughput first: the one given, else a new one when the model
     trains under a tfstrat strategy and `TFSTRAT_THROUGHPUT` allows it."""
-    from keras.src import tree
+    from tfstrat._compat.keras import tree
 
     given = tree.flatten(callbacks) if callbacks else []
     ours = [c for c in given if isinstance(c, Throughput)]
@@ -256,18 +258,23 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    from keras.src.callbacks.callback_list import CallbackList
+    from tfstrat._compat.keras import CallbackList
 
     keras_init = CallbackList.__init__
 
     def __init__(self, callbacks=None, add_history=False, add_progbar=False, model=None, **params):
         if add_history and model is not None:  # fit's list; evaluate's and predict's have none
-            from tfstrat.strategies import _common
+            from tfstrat.keras import _fit_scope
 
-            _common.warn_fit_outside_scope(model)  # not this module's matter: fit's one hook
+            _fit_scope.warn_fit_outside_scope(model)  # not this module's matter: fit's one hook
             callbacks = _with_throughput(callbacks, model)
         keras_init(self, callbacks, add_history, add_progbar, model, **params)
 
-    CallbackList.__init__ = __init__
+    patches.patch(
+        CallbackList,
+        "__init__",
+        __init__,
+        "fit under a tfstrat strategy starts with a Throughput; warns of a model outside scope",
+    )
     _watch_epoch_iterators()
     _installed = True

@@ -14,6 +14,8 @@ on its own device, and the exchange and the optimizer's update run outside the c
 
 from __future__ import annotations
 
+from tfstrat._compat import patches
+
 _installed = False
 
 
@@ -22,7 +24,7 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    from tfstrat._compat.keras import TensorFlowTrainer
 
     keras_make_function = TensorFlowTrainer._make_function
 
@@ -38,5 +40,10 @@ def install() -> None:
         finally:
             self._jit_compile = True
 
-    TensorFlowTrainer._make_function = _make_function
+    patches.patch(
+        TensorFlowTrainer,
+        "_make_function",
+        _make_function,
+        "jit_compile=True compiles each replica's computation, not the exchange",
+    )
     _installed = True

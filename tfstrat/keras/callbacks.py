@@ -17,7 +17,7 @@ writes resumes from a consistent pair; the metadata records a checksum of the we
 restore verifies. `double_checkpoint=True` keeps the previous backup as `*.bkp` and falls back
 to it when the latest is damaged. A training stopped by SIGTERM (a tfstrat strategy sets
 `model._tfstrat_stop = "sigterm"`) saves the state after its last step, and a relaunch resumes
-at the next batch in the same order (array input; see `tfstrat.strategies._shuffle`).
+at the next batch in the same order (array input; see `tfstrat.keras._shuffle`).
 
 Drop-in replacements, same arguments:
 
@@ -34,83 +34,24 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import tempfile
 import uuid
 
 import keras
 
+from tfstrat.keras import _shuffle
+from tfstrat.keras._atomic import fsync_dir, publish, remove_stale, temporary, unlink
 from tfstrat.keras._throughput import Throughput  # noqa: F401  (re-exported)
-from tfstrat.strategies import _shuffle
 
 logger = logging.getLogger(__name__)
 
-_STALE = re.compile(r"^\.tmp-(\d+)-")
 _STATE = "tfstrat_backup"  # HDF5 attribute of a backup's weights file: its training state
 
 
 def _is_chief(model) -> bool:
     strategy = getattr(model, "distribute_strategy", None)
     return strategy is None or bool(strategy.extended.should_checkpoint)
-
-
-def _temporary(path: str) -> str:
-    """A sibling of `path` that keeps its suffix (Keras checks `.keras` / `.weights.h5`)."""
-    directory, name = os.path.split(path)
-    return os.path.join(directory, f".tmp-{os.getpid()}-{name}")
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory or ".", os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _publish(tmp: str, final: str) -> None:
-    """Makes the written file `tmp` the file `final`, atomically and durably."""
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-    _fsync_dir(os.path.dirname(final))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _remove_stale(directory: str) -> None:
-    """Removes the temporaries of writers that died (or of an earlier life of this pid).
-
-    A live other process's temporary is kept: it may be another job writing to the directory.
-    """
-    if not directory or not os.path.isdir(directory):
-        return
-    for name in os.listdir(directory):
-        match = _STALE.match(name)
-        if not match:
-            continue
-        pid = int(match.group(1))
-        if pid != os.getpid() and _alive(pid):
-            continue
-        path = os.path.join(directory, name)
-        shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else _unlink(path)
-        logger.info("tfstrat: removed %s, left by a writer that died (pid %d)", path, pid)
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
 
 
 def _task() -> str:
@@ -162,7 +103,7 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
 
     def on_train_begin(self, logs=None):
         if _is_chief(self.model):
-            _remove_stale(os.path.dirname(os.path.abspath(self.filepath)))
+            remove_stale(os.path.dirname(os.path.abspath(self.filepath)))
         super().on_train_begin(logs)
 
     def _get_file_path(self, epoch, batch, logs):
@@ -170,7 +111,7 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         if not _is_chief(self.model):
             final = os.path.join(self._scratch.get(), os.path.basename(final))
         self._final = final
-        return _temporary(final)
+        return temporary(final)
 
     def _save_model(self, epoch, batch, logs):
         from tfstrat.keras._saving import as_keras_does
@@ -178,8 +119,8 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         self._final = None
         with as_keras_does():  # atomic and chief-only already
             super()._save_model(epoch, batch, logs)
-        if self._final and os.path.exists(_temporary(self._final)):
-            _publish(_temporary(self._final), self._final)
+        if self._final and os.path.exists(temporary(self._final)):
+            publish(temporary(self._final), self._final)
 
     def on_train_end(self, logs=None):
         super().on_train_end(logs)
@@ -244,7 +185,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
       with nothing to fall back to is an error that names it (Keras would train from it).
 
     A run resumed in the middle of an epoch draws the batches already trained from its input
-    without training on them, then trains on the rest (`tfstrat.strategies._shuffle`). Array
+    without training on them, then trains on the rest (`tfstrat.keras._shuffle`). Array
     input (NumPy) with `shuffle=True` is shuffled in an order drawn from (seed, epoch), so the
     resumed epoch replays the interrupted one's order; a `tf.data` input resumes exactly when
     it yields the same batches each time it is iterated. Exact resumes also need each epoch to
@@ -276,7 +217,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         self._stopped, self._offset, self._resumed = False, 0, None
         self._current_epoch, self._last_batch_seen = 0, 0
         if _is_chief(self.model):
-            _remove_stale(self.backup_dir)
+            remove_stale(self.backup_dir)
         state = self._restore()
         if state is None:
             return
@@ -309,7 +250,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
                 logger.warning("tfstrat: restored the previous backup %s instead", weights)
                 if _is_chief(self.model):  # else the next backup would keep it as "previous"
                     for path in pairs[0]:
-                        _unlink(path)
+                        unlink(path)
             return state
         if damaged:
             keep = (
@@ -390,7 +331,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         os.makedirs(self.backup_dir, exist_ok=True)
         state = {"epoch": epoch, "batch": max(done - 1, 0), "batches_done": done}
         state["id"] = uuid.uuid4().hex
-        tmp = _temporary(self._weights_path)
+        tmp = temporary(self._weights_path)
         self.model.save_weights(tmp, overwrite=True)
         import h5py
 
@@ -399,7 +340,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         digest = _sha256(tmp)
         if self.double_checkpoint:
             self._keep_previous()
-        _publish(tmp, self._weights_path)
+        publish(tmp, self._weights_path)
         self._write_metadata({**state, "sha256": digest})
 
     def _keep_previous(self) -> None:
@@ -410,13 +351,13 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         ):
             if os.path.exists(path):
                 os.replace(path, previous)
-        _fsync_dir(self.backup_dir)
+        fsync_dir(self.backup_dir)
 
     def _write_metadata(self, metadata: dict) -> None:
-        tmp = _temporary(self._training_metadata_path)
+        tmp = temporary(self._training_metadata_path)
         with open(tmp, "w") as f:
             json.dump(metadata, f)
-        _publish(tmp, self._training_metadata_path)
+        publish(tmp, self._training_metadata_path)
 
 
 class TensorBoard(keras.callbacks.TensorBoard):

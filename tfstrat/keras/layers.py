@@ -27,8 +27,8 @@ from __future__ import annotations
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src.saving.keras_saveable import KerasSaveable
 
+from tfstrat._compat.keras import KerasSaveable
 from tfstrat.keras import _local
 
 

@@ -11,8 +11,8 @@ import time
 
 import tensorflow as tf
 
-from tfstrat import _ports
 from tfstrat.cluster import TFConfig
+from tfstrat.cluster import ports as _ports
 
 logger = logging.getLogger(__name__)
 
@@ -70,24 +70,6 @@ _STATUS_METHOD = "/tensorflow.WorkerService/GetStatus"
 EXIT_PS_LOST = 1
 
 
-def task_name(tf_config: TFConfig, worker: int | None = None) -> str:
-    """'chief', 'worker:N' or 'worker:0 (the chief)' for a worker index (default: this task)."""
-    has_chief = bool(tf_config.addresses("chief"))
-    if worker is None:
-        return (
-            "chief"
-            if tf_config.task_type == "chief"
-            else _worker_label(tf_config.task_index, has_chief)
-        )
-    if has_chief:
-        return "chief" if worker == 0 else f"worker:{worker - 1}"
-    return _worker_label(worker, has_chief)
-
-
-def _worker_label(index: int, has_chief: bool) -> str:
-    return f"worker:{index}" + (" (the chief)" if index == 0 and not has_chief else "")
-
-
 class Heartbeat:
     """Asks every ps task for its status on a daemon thread; ends the process when one has not
     answered for `timeout` seconds.
@@ -102,7 +84,7 @@ class Heartbeat:
 
     def __init__(self, tf_config: TFConfig, timeout: float, interval: float | None = None):
         self.addresses = list(tf_config.addresses("ps"))
-        self.me = task_name(tf_config)
+        self.me = tf_config.trainer_name()
         self.timeout = float(timeout)
         self.interval = interval if interval is not None else min(5.0, self.timeout / 4)
         self._stop = threading.Event()

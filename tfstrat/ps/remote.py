@@ -291,7 +291,7 @@ class RemoteTable:
         """(grads * R n_r, n_r) when Keras scaled this step's loss, else (grads, None)."""
         # Read while the backward pass is traced inside the replica's train_step, where
         # `_exact_step` has recorded the replica's rows and whether Keras scaled its loss.
-        from tfstrat.strategies._exact_step import _step
+        from tfstrat.runtime.step import _step
 
         if _step.rows is None or not _step.scaled:
             return grads, None
@@ -301,7 +301,7 @@ class RemoteTable:
 
 
 def optimizer_kind(optimizer) -> str | None:
-    """The `tfstrat._rowmath` step a ps applies for a Keras optimizer, or None if it has none."""
+    """The `tfstrat.ps.rowmath` step a ps applies for a Keras optimizer, or None if it has none."""
     classes = {cls.__name__ for cls in type(optimizer).__mro__}
     if "SGD" in classes:
         return "sgd_momentum" if optimizer.momentum else "sgd"

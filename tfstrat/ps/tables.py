@@ -25,7 +25,7 @@ weights, so replicas of unequal batches give the global batch's mean gradient (t
 weighting `tfstrat.strategies._exact_step` gives mirrored variables) before any optimizer (SGD,
 Adagrad, Adam, RMSprop) or slot sees it. Pushes of weight 0 (a step whose loss Keras did not
 scale, a partition trial) are summed as they are. Each replica pushes once per step (a second
-push is refused, naming the cause). The steps are `tfstrat._rowmath`'s: SGD and Adagrad equal
+push is refused, naming the cause). The steps are `tfstrat.ps.rowmath`'s: SGD and Adagrad equal
 Keras's dense update on the same gradient; Adam, SGD with momentum and RMSprop are the lazy
 variants (rows not in the batch keep their slots and values).
 
@@ -33,7 +33,7 @@ Checkpoints read and write the slots with the table (`tfstrat.keras.layers.Embed
 run restored from one continues exactly. Adam's bias correction needs no state here: each push
 carries the step, which is the worker's `optimizer.iterations` (saved with the optimizer).
 
-The server listens on the ps task's tfstrat port (TF_CONFIG port + 1, `tfstrat._ports`) on the
+The server listens on the ps task's tfstrat port (TF_CONFIG port + 1, `tfstrat.cluster.ports`) on the
 ps's own address towards the workers; the TF_CONFIG port itself serves `tf.distribute.Server`.
 """
 
@@ -45,13 +45,13 @@ import threading
 
 import numpy as np
 
-from tfstrat import _rowmath
+from tfstrat.ps import rowmath as _rowmath
 
 logger = logging.getLogger(__name__)
 
 # hyper = [kind, learning_rate, beta_1, beta_2, epsilon, initial_accumulator_value,
 #          momentum, nesterov, rho, 1 - beta_1, 1 - beta_2, 1 - rho] (the differences computed
-#          in float64 on the worker, as Keras); kind numbers the `tfstrat._rowmath` step
+#          in float64 on the worker, as Keras); kind numbers the `tfstrat.ps.rowmath` step
 KINDS = ("sgd", "adagrad", "adam", "sgd_momentum", "rmsprop", "rmsprop_momentum")
 HYPER = 12
 SLOTS = ("accumulator", "momentum", "velocity")  # slot numbers in the calls
@@ -59,7 +59,7 @@ SLOTS = ("accumulator", "momentum", "velocity")  # slot numbers in the calls
 
 def rpc_address(ps_address: str) -> str:
     """Where workers reach a ps task's table server: its TF_CONFIG host, its tfstrat port."""
-    from tfstrat import _ports
+    from tfstrat.cluster import ports as _ports
 
     return _ports.join(_ports.split(ps_address)[0], _ports.tfstrat_port(ps_address))
 
@@ -160,7 +160,7 @@ class Table:
         return self.slots[name]
 
     def _apply(self, ids, grads, hyper, step):
-        """The optimizer step for the rows `ids` (unique), float32 as Keras (`_rowmath`)."""
+        """The optimizer step for the rows `ids` (unique), float32 as Keras (`tfstrat.ps.rowmath`)."""
         kind, lr, beta_1, beta_2, epsilon, initial_accumulator, momentum, nesterov, rho = hyper[:9]
         one_minus_beta_1, one_minus_beta_2, one_minus_rho = hyper[9:]
         if not 0 <= int(kind) < len(KINDS):
@@ -319,7 +319,7 @@ _ZERO = np.int64(0)
 
 def serve_tables(host: str, port: int, task: str, what: str = "table server"):
     """Starts the table server of `task` on `host`:`port`; returns (server, registry).
-    Raises `tfstrat._ports.ListenError` naming the task and `what` if it cannot listen."""
+    Raises `tfstrat.cluster.ports.ListenError` naming the task and `what` if it cannot listen."""
     from tfstrat.ps import wire
 
     registry = Registry()

@@ -19,8 +19,9 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.ops import gen_resource_variable_ops as gen_rv
-from tensorflow.python.ops import handle_data_util, resource_variable_ops
+
+from tfstrat._compat.tf import gen_resource_variable_ops as gen_rv
+from tfstrat._compat.tf import handle_data_util, resource_variable_ops
 
 logger = logging.getLogger(__name__)
 

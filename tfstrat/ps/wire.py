@@ -25,15 +25,12 @@ import time
 
 import numpy as np
 
-from tfstrat import _ports
+from tfstrat.cluster import ports as _ports
+from tfstrat.errors import TableServerError
 
 logger = logging.getLogger(__name__)
 _LENGTH = struct.Struct("<I")
 _MAX_HEADER = 1 << 20  # a header is a few hundred bytes: more is not one of our frames
-
-
-class TableServerError(RuntimeError):
-    """A call to a ps task's table server failed (it stopped, timed out, or raised)."""
 
 
 def _send(sock: socket.socket, header: dict, arrays) -> None:

@@ -13,9 +13,8 @@ from __future__ import annotations
 import weakref
 
 import tensorflow as tf
-from tensorflow.python.distribute import cross_device_ops
-from tensorflow.python.util import nest
 
+from tfstrat._compat.tf import cross_device_ops, nest
 from tfstrat.reduce import sparse
 
 

@@ -37,7 +37,8 @@ import time
 
 import numpy as np
 
-from tfstrat import _ports
+from tfstrat.cluster import ports as _ports
+from tfstrat.errors import RingError
 
 logger = logging.getLogger(__name__)
 
@@ -49,10 +50,6 @@ _HELLO = struct.Struct("!II")  # sender rank, group size
 _THREAD_BYTES = 1 << 22
 # Sums are done in pieces of at least this many bytes as they arrive (fewer numpy calls).
 _SUM_PIECE = 1 << 18
-
-
-class RingError(RuntimeError):
-    """A peer failed, timed out, or disagreed about the call."""
 
 
 class Ring:

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Sequence
 
 import tensorflow as tf
 
-from tfstrat import _runtime
+from tfstrat import runtime
 from tfstrat.strategies import _compute, _exact_step
 
 _Impl = tf.distribute.experimental.CommunicationImplementation
@@ -109,9 +108,9 @@ class AdoptsKerasOptimizers:
     """
 
     def __new__(cls, *args, **kwargs):
-        # Says once which process settings tfstrat made (`_runtime`); in __new__ because
-        # CollectiveAllReduce's __init__ does not run the mixins' __init__.
-        _runtime.announce()
+        # tfstrat's process settings (`tfstrat.runtime`), before TensorFlow creates its
+        # devices; in __new__ because CollectiveAllReduce's __init__ does not run the mixins'.
+        runtime.apply()
         return super().__new__(cls)
 
     def run(self, fn, args=(), kwargs=None, options=None):
@@ -242,40 +241,3 @@ def exact_logs_for_empty_slices(model) -> None:
 
     tracker.update_state = update_state
     tracker._tfstrat_exact = True
-
-
-# --- A fit of a model built outside the strategy's scope -------------------------------------
-
-_multi_worker = weakref.WeakSet()  # the live tfstrat strategies of 2 or more workers
-_warned = weakref.WeakSet()  # models warned about (once each)
-
-
-def note_multi_worker(strategy) -> None:
-    """Remembers a strategy of 2+ workers, so that `warn_fit_outside_scope` can name a `fit`
-    of a model built outside its scope."""
-    _multi_worker.add(strategy)
-
-
-def warn_fit_outside_scope(model) -> None:
-    """Warns (once per model) when `model.fit` trains a model built outside every strategy's
-    scope while a tfstrat strategy of 2+ workers lives in this process: each worker then trains
-    it alone and the workers end with different weights. A warning, not an error: training a
-    model on one worker on purpose (a reference on the chief, a per-worker probe) is fine."""
-    strategy = next(iter(_multi_worker), None)
-    if strategy is None or getattr(model, "_distribute_strategy", None) is not None:
-        return
-    current = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
-    if current is not None and current not in _multi_worker:  # another strategy's scope
-        return
-    if model in _warned:
-        return
-    _warned.add(model)
-    logger.warning(
-        "tfstrat: model.fit of %r, a model built outside `strategy.scope()`, while %s runs %d "
-        "workers: each worker trains it alone, and the workers will end with different "
-        "weights. To train it across the workers, build and compile it inside `with "
-        "strategy.scope():` (the strategy first, then the model).",
-        model.name,
-        type(strategy).__name__,
-        strategy.num_workers,
-    )

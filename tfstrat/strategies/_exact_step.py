@@ -27,30 +27,18 @@ n_r, metric states...], so a step still runs one all-reduce (one TCP ring call).
 from __future__ import annotations
 
 import functools
-import threading
 
 import numpy as np
 import tensorflow as tf
 
+from tfstrat._compat import patches
 from tfstrat.reduce import sparse
+from tfstrat.runtime.step import _step
 from tfstrat.strategies import _compute
 
 
-class _Step(threading.local):
-    """The step being traced, per replica: MirroredStrategy traces each replica in a thread."""
-
-    rows = None  # this replica's rows (scalar int32 tensor), while a train_step is traced
-    pending = None  # deferred apply_gradients calls (Keras's default train_step), or None
-    scaled = False  # Keras divided a loss by the replica count in this step
-    metrics = None  # metrics whose states ride in the gradient all-reduce
-    states = None  # their all-reduced states, once the reduce has run
-
-
-_step = _Step()
-
-
 def _is_keras_default_train_step(fn) -> bool:
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    from tfstrat._compat.keras import TensorFlowTrainer
 
     return getattr(fn, "__func__", None) is TensorFlowTrainer.train_step
 
@@ -75,7 +63,7 @@ def _watch_keras_scaling() -> None:
     """Notes when Keras divides a loss by the replica count (its mean reductions, regularizers
     and `add_loss`): only then is the gradient weighted by rows. A custom train_step whose loss
     is already divided by the global batch (`tf.nn.compute_average_loss`) is left alone."""
-    from keras.src.losses import loss as loss_module
+    from tfstrat._compat.keras import loss_module
 
     keras_scale = loss_module.scale_loss_for_distribution
     if getattr(keras_scale, "_tfstrat", False):
@@ -86,7 +74,12 @@ def _watch_keras_scaling() -> None:
         return keras_scale(value)
 
     scale_loss_for_distribution._tfstrat = True
-    loss_module.scale_loss_for_distribution = scale_loss_for_distribution
+    patches.patch(
+        loss_module,
+        "scale_loss_for_distribution",
+        scale_loss_for_distribution,
+        "notes that Keras divided a loss by the replica count, so the step weights by rows",
+    )
 
 
 def replica_step(model, fn):
@@ -159,7 +152,7 @@ def _foldable(model) -> list:
 
 def _logs(model, folded, states):
     """Keras's `get_metrics_result`, with the folded metrics computed on the global states."""
-    from keras.src.utils.python_utils import pythonify_logs
+    from tfstrat._compat.keras import pythonify_logs
 
     by_metric = dict(zip((id(m) for m in folded), states, strict=True))
     logs = {}

@@ -37,8 +37,9 @@ import logging
 import re
 
 import tensorflow as tf
-from tensorflow.python.distribute import collective_all_reduce_strategy as _cars
-from tensorflow.python.distribute import distribute_lib
+
+from tfstrat._compat.tf import collective_all_reduce_strategy as _cars
+from tfstrat._compat.tf import distribute_lib
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import subprocess
 import sys
 
 from tfstrat.cluster import TFConfig
-from tfstrat.server import accepts
+from tfstrat.cluster.ports import accepts
 
 
 def peers(tf_config: TFConfig) -> list[tuple[str, str]]:

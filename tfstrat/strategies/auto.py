@@ -7,8 +7,10 @@ import os
 
 import tensorflow as tf
 
+from tfstrat import runtime
 from tfstrat.cluster import TFConfig
-from tfstrat.devices import devices
+from tfstrat.cluster.devices import devices
+from tfstrat.strategies.choice import choose, describe
 
 logger = logging.getLogger(__name__)
 
@@ -34,41 +36,30 @@ def auto(
         >>> import tfstrat
         >>> strategy = tfstrat.auto()  # doctest: +SKIP
     """
+    runtime.apply()  # tfstrat's process settings, before TensorFlow creates its devices
     if tf_config is None and "TF_CONFIG" in os.environ:
         tf_config = TFConfig.from_env()  # set but empty: an error that says so
     info = devices()
-    if info.tpu:
+    name, why = choose(tf_config, info)
+    logger.info("tfstrat.auto: %s", describe(name, why))
+    if name == "TPUStrategy":
         resolver = tf.distribute.cluster_resolver.TPUClusterResolver(
             tpu="" if info.tpu == "local" else info.tpu
         )
         tf.config.experimental_connect_to_cluster(resolver)
         tf.tpu.experimental.initialize_tpu_system(resolver)
-        logger.info("tfstrat.auto: TPUStrategy (TPU %s found)", info.tpu)
         return tf.distribute.TPUStrategy(resolver)
     kwargs = {} if timeout is None else {"timeout": timeout}
-    if tf_config is not None and tf_config.addresses("ps"):
+    if name == "Hybrid":
         from tfstrat.strategies.hybrid import Hybrid
 
-        logger.info(
-            "tfstrat.auto: Hybrid (TF_CONFIG has %d ps task(s): dense variables all-reduced, "
-            "tfstrat Embedding tables on the ps tasks)",
-            len(tf_config.addresses("ps")),
-        )
         return Hybrid(tf_config, **kwargs)
-    if tf_config is not None and tf_config.num_workers > 1:
+    if name == "CollectiveAllReduce":
         from tfstrat.strategies.collective import CollectiveAllReduce
 
-        logger.info(
-            "tfstrat.auto: CollectiveAllReduce (TF_CONFIG has %d workers)", tf_config.num_workers
-        )
         return CollectiveAllReduce(tf_config, **kwargs)
-    if len(info.gpus) >= 2:
+    if name == "MirroredNCCL":
         from tfstrat.strategies.mirrored import MirroredNCCL
 
-        logger.info("tfstrat.auto: MirroredNCCL (%d local GPUs)", len(info.gpus))
         return MirroredNCCL()
-    logger.info(
-        "tfstrat.auto: TensorFlow's default strategy (one worker, %d GPU(s), no TPU)",
-        len(info.gpus),
-    )
     return tf.distribute.get_strategy()

@@ -10,6 +10,7 @@ drops the per-step check by giving every worker a slice of every global batch. I
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import weakref
@@ -17,17 +18,18 @@ from collections.abc import Sequence
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.distribute import collective_all_reduce_strategy as _cars
-from tensorflow.python.distribute import cross_device_utils, distribute_lib, input_util
-from tensorflow.python.distribute import values as _values
-from tensorflow.python.util import nest
 
-from tfstrat import _agreement, _ports
+from tfstrat._compat.tf import collective_all_reduce_strategy as _cars
+from tfstrat._compat.tf import context, cross_device_utils, distribute_lib, input_util, nest
+from tfstrat._compat.tf import values as _values
 from tfstrat.cluster import TFConfig
+from tfstrat.cluster import ports as _ports
+from tfstrat.keras import _fit_scope
 from tfstrat.reduce import ring
 from tfstrat.reduce.collective import SparseAwareAllReduce
 from tfstrat.reduce.sparse import DensityPolicy
 from tfstrat.strategies import _common, _reuse, _startup, _stopping
+from tfstrat.strategies import agreement as _agreement
 
 logger = logging.getLogger(__name__)
 
@@ -310,8 +312,8 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
             **(_agree_on or {}),
         }
         if self.extended._num_workers > 1:
-            _common.note_multi_worker(self)  # a fit outside its scope is warned about
-            self._stop = _stopping.StopAgreement(self._epoch_sum, _task_name(tf_config))
+            _fit_scope.note_multi_worker(self)  # a fit outside its scope is warned about
+            self._stop = _stopping.StopAgreement(self._epoch_sum, _task_name_of(tf_config))
             self._agree(_agreement.describe(tf_config, (), self._agreement_options))
         logger.info(
             "tfstrat: CollectiveAllReduce, worker %d of %d, %d replica(s) in sync, %s, "
@@ -342,7 +344,7 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
         neighbours = [tasks[(rank + 1) % size][1], tasks[(rank - 1) % size][1]]
         host = _ports.route_source(neighbours) or _ports.wildcard(_ports.split(mine)[0])
         port = _ports.tfstrat_port(mine)
-        listener = ring.listen(host, port, _task_name(self.tf_config))
+        listener = ring.listen(host, port, _task_name_of(self.tf_config))
         # Advertise the bound address; when bound to all interfaces, the TF_CONFIG host.
         advertised = host if host not in ("0.0.0.0", "::") else _ports.split(mine)[0]
         gather = lambda: self.run(lambda: _gather_address(rank, advertised, port))  # noqa: E731
@@ -424,6 +426,16 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
     def worker_index(self) -> int:
         return self.extended._id_in_cluster
 
+    # -- the savers' coordination (`tfstrat.keras._saving.Coordinated`) ----------------------
+
+    def _tfstrat_publish(self, key: str, outcome: dict) -> None:
+        # TensorFlow's coordination service: every chief and worker joined it at start-up.
+        context.context().set_config_key_value(key, json.dumps(outcome))
+
+    def _tfstrat_read_chief(self, key: str, names: list[str]) -> dict:
+        value = context.context().get_config_key_value(key, int(self.timeout * 1000))
+        return json.loads(value)
+
     def reduce(self, reduce_op, value, axis=None):
         op = tf.distribute.ReduceOp(reduce_op.upper()) if isinstance(reduce_op, str) else reduce_op
         local = lambda v: self.experimental_local_results(v)  # noqa: E731
@@ -458,10 +470,8 @@ def _env_config() -> TFConfig | None:
     return TFConfig.from_env()
 
 
-def _task_name(tf_config: TFConfig | None) -> str:
-    if tf_config is None or tf_config.task_type is None:
-        return "this worker"
-    return f"{tf_config.task_type}:{tf_config.task_index}"
+def _task_name_of(tf_config: TFConfig | None) -> str:
+    return (tf_config and tf_config.task_name) or "this worker"
 
 
 def _use_tcp(communication: str, count: int | None, tf_config: TFConfig | None) -> bool:
@@ -503,7 +513,7 @@ def _seed_shuffles():
     """Keras shuffles NumPy inputs with an unseeded op: a shared global seed makes every worker
     draw the same permutation, so slicing never repeats or drops an example; the order of each
     epoch comes from (seed, epoch), so epochs differ and a resumed run replays them."""
-    from tfstrat.strategies import _shuffle
+    from tfstrat.keras import _shuffle
 
     _shuffle.seed_shuffles()
 

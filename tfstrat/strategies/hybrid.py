@@ -16,8 +16,8 @@ import logging
 
 import tensorflow as tf
 
-from tfstrat import _ports
 from tfstrat.cluster import TFConfig
+from tfstrat.cluster import ports as _ports
 from tfstrat.strategies.collective import DEFAULT_TIMEOUT, CollectiveAllReduce, _env_config
 
 logger = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ class Hybrid(CollectiveAllReduce):
         timeout: seconds any collective or RPC may take before failing with an error.
         devices, communication: as in `CollectiveAllReduce`.
 
-    Tables on ps tasks are updated row by row (`tfstrat._rowmath`): SGD and Adagrad exactly as
+    Tables on ps tasks are updated row by row (`tfstrat.ps.rowmath`): SGD and Adagrad exactly as
     Keras's dense update of the same gradient; Adam, SGD with momentum and RMSprop lazily (rows
     outside the batch keep their slots), as a mirrored table with `sparse_updates="lazy"`.
     Other optimizers, and clipping, accumulation, EMA or weight decay that would not reach the
@@ -64,7 +64,7 @@ class Hybrid(CollectiveAllReduce):
         tf_config = tf_config if tf_config is not None else _env_config()
         ps = tuple(tf_config.addresses("ps")) if tf_config is not None else ()
         if tf_config is not None and tf_config.task_type == "ps":
-            from tfstrat.server import serve_until_workers_exit
+            from tfstrat.ps.server import serve_until_workers_exit
 
             serve_until_workers_exit(tf_config)  # does not return
         if sparse != "auto" and not isinstance(sparse, (list, tuple)):

@@ -38,6 +38,7 @@ import weakref
 
 import tensorflow as tf
 
+from tfstrat._compat import patches
 from tfstrat.cluster import TFConfig
 from tfstrat.strategies import _common, _compute, _exact_step, _stats
 from tfstrat.strategies.collective import DEFAULT_TIMEOUT, CollectiveAllReduce
@@ -527,7 +528,7 @@ _hooked = [False]
 def _install_build_hook() -> None:
     if _hooked[0]:
         return
-    from keras.src.optimizers.base_optimizer import BaseOptimizer
+    from tfstrat._compat.keras import BaseOptimizer
 
     keras_build = BaseOptimizer.build
 
@@ -538,5 +539,7 @@ def _install_build_hook() -> None:
             strategy._on_optimizer_build(self, list(variables))
 
     build._tfstrat_localsgd = True
-    BaseOptimizer.build = build
+    patches.patch(
+        BaseOptimizer, "build", build, "LocalSGD's outer optimizer state follows the inner's"
+    )
     _hooked[0] = True

@@ -6,12 +6,13 @@ import logging
 from collections.abc import Sequence
 
 import tensorflow as tf
-from tensorflow.python.distribute import input_util
 
-from tfstrat.devices import local_devices
+from tfstrat._compat.tf import input_util
+from tfstrat.cluster.devices import local_devices
+from tfstrat.keras import _shuffle
 from tfstrat.reduce.collective import SparseAwareAllReduce
 from tfstrat.reduce.sparse import DensityPolicy
-from tfstrat.strategies import _common, _shuffle
+from tfstrat.strategies import _common
 from tfstrat.strategies.collective import _Launcher
 
 logger = logging.getLogger(__name__)

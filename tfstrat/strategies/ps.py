@@ -24,17 +24,18 @@ import re
 import weakref
 
 import tensorflow as tf
-from tensorflow.python.distribute import distribute_lib, one_device_strategy
-from tensorflow.python.util import nest
 
-from tfstrat import _agreement, _runtime
+from tfstrat import runtime
+from tfstrat._compat.tf import distribute_lib, nest, one_device_strategy
 from tfstrat.cluster import TFConfig
+from tfstrat.keras import _fit_scope
+from tfstrat.keras._shuffle import seed_shuffles
 from tfstrat.ps import variables as psvars
-from tfstrat.ps.connect import Heartbeat, connect, task_name
+from tfstrat.ps.connect import Heartbeat, connect
 from tfstrat.ps.sync import SyncReplicas
 from tfstrat.reduce.sparse import dedup
-from tfstrat.strategies import _common, _compute, _exact_step, _reuse
-from tfstrat.strategies._shuffle import seed_shuffles
+from tfstrat.strategies import _compute, _exact_step, _reuse
+from tfstrat.strategies import agreement as _agreement
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ class _Extended(one_device_strategy.OneDeviceExtended):
             return
         index = psvars.ps_index_of(var)
         problem = (
-            f"{task_name(self.tf_config)} declares variable {label or var._shared_name!r} "
+            f"{self.tf_config.trainer_name()} declares variable {label or var._shared_name!r} "
             f"(shared as {var._shared_name}) of shape {tuple(var.shape)}, but ps:{index} at "
             f"{self.tf_config.addresses('ps')[index]} holds it with shape {tuple(held)}. The "
             "tasks build different models, or the ps tasks kept an earlier run's variables "
@@ -198,10 +199,11 @@ class ParameterServer(distribute_lib.Strategy):
         partition_bytes: int = DEFAULT_PARTITION_BYTES,
         timeout: float = DEFAULT_TIMEOUT,
     ):
+        runtime.apply()  # tfstrat's process settings, before TensorFlow creates its devices
         tf_config = tf_config if tf_config is not None else _env_config()
         _check_config(tf_config, mode, partitions)
         if tf_config.task_type == "ps":
-            from tfstrat.server import serve_until_workers_exit
+            from tfstrat.ps.server import serve_until_workers_exit
 
             serve_until_workers_exit(tf_config)  # does not return
         workers = tf_config.num_workers
@@ -234,7 +236,7 @@ class ParameterServer(distribute_lib.Strategy):
         # wait for each other's variables until their timeouts.
         self._agree("cluster", _agreement.describe(tf_config, (), self._options), "cluster")
         if workers > 1:
-            _common.note_multi_worker(self)  # a fit outside its scope is warned about
+            _fit_scope.note_multi_worker(self)  # a fit outside its scope is warned about
         self.sync = None
         if mode == "sync":
             self.sync = SyncReplicas(
@@ -250,7 +252,6 @@ class ParameterServer(distribute_lib.Strategy):
         self._agreed = weakref.WeakSet()
         self._warned: set[str] = set()
         self._input_rows: int | None = None  # first batch of the latest distributed dataset
-        _runtime.announce()  # the process settings tfstrat made (the others' mixin does it)
         logger.info(
             "tfstrat: ParameterServer (%s%s), worker %d of %d, %d ps task(s), timeout %g s",
             mode,
@@ -270,6 +271,27 @@ class ParameterServer(distribute_lib.Strategy):
     @property
     def worker_index(self) -> int:
         return self.extended.worker
+
+    @property
+    def tf_config(self) -> TFConfig:
+        return self.extended.tf_config
+
+    @property
+    def timeout(self) -> float:
+        return self.extended.timeout
+
+    # -- the savers' coordination (`tfstrat.keras._saving.Coordinated`), through ps 0 -------
+
+    def _tfstrat_publish(self, key: str, outcome: dict) -> None:
+        psvars.publish(key, 0, outcome, self)
+
+    def _tfstrat_read_chief(self, key: str, names: list[str]) -> dict:
+        where = f"ps:0 at {self.tf_config.addresses('ps')[0]}"
+        for _, theirs in psvars.read_published(
+            key, [0], self.timeout, lambda w: names[w], where, "save outcome", self
+        ):
+            return theirs
+        raise AssertionError("unreachable: read_published yields or raises")
 
     @property
     def dropped(self) -> int:
@@ -343,7 +365,7 @@ class ParameterServer(distribute_lib.Strategy):
         """Publishes this task's description on ps 0 and compares every task's with the
         chief's; any difference (or a problem a task recorded) fails every task alike."""
         ext, n = self.extended, self.num_workers
-        names = [task_name(ext.tf_config, w) for w in range(n)]
+        names = [ext.tf_config.trainer_name(w) for w in range(n)]
         mine = {"description": desc, "problems": list(ext.problems)}
         psvars.publish(f"agree/{key}", ext.worker, mine, self)
         seen = {ext.worker: mine}

@@ -1,6 +1,6 @@
 """The task processes of `tfstrat launch`: starting, watching, stopping, and blaming them.
 
-Each task runs under a small watcher process (`_watch.py`): the task and everything it starts
+Each task runs under a small watcher process (`watch.py`): the task and everything it starts
 die with the launcher, even when the launcher is SIGKILLed and the task is a wrapper such as
 `sh -c "python train.py"`. When a task fails, `blame` reads its last lines for the task it
 names (`/job:worker/replica:0/task:1`, `worker:1`, `ps:0`): a worker that times out waiting for
@@ -8,7 +8,7 @@ a stopped peer fails first, but the peer is the cause.
 
 A task's output goes, whole, to its file in the launcher's log directory (when there is one),
 and to the launcher's stream only when the task is shown (`--show`), less the start-up lines
-that `tfstrat/_quiet.py` names. The lines kept for blame and for the failure box leave those
+that `tfstrat/runtime/quiet.py` names. The lines kept for blame and for the failure box leave those
 out too: a CUDA notice is no task's error.
 """
 
@@ -25,11 +25,11 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import TextIO
+from typing import Any, TextIO
 
-from tfstrat._quiet import LineFilter
+from tfstrat.runtime.quiet import LineFilter
 
-_WATCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_watch.py")
+_WATCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "watch.py")
 # TensorFlow reports a port taken between choosing and binding it only as this.
 _PORT_ERRORS = ("Could not start gRPC server", "Address already in use")
 _TAIL_LINES = 200  # enough for a crash dump of several threads
@@ -153,7 +153,7 @@ class Task:
         self.finish_output(timeout=2)
 
 
-def _uninterrupted(fn: Callable[[], None]):
+def uninterrupted(fn: Callable[[], Any]):
     """Runs fn to the end even if SIGINT/SIGTERM (KeyboardInterrupt) arrives meanwhile."""
     while True:
         try:
@@ -174,7 +174,7 @@ def stop(tasks: Sequence[Task], grace: float):
     except KeyboardInterrupt:  # a second Ctrl-C or SIGTERM: no more grace
         pass
     for t in tasks:
-        _uninterrupted(t.kill)
+        uninterrupted(t.kill)
 
 
 def error_line(lines: Sequence[str]) -> str:

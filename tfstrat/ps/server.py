@@ -5,13 +5,11 @@ from __future__ import annotations
 import logging
 import os
 
-from tfstrat.cluster import TFConfig, TFConfigError
+from tfstrat.cluster import ports
+from tfstrat.cluster.config import TFConfig
+from tfstrat.errors import ServerError, TFConfigError
 
 logger = logging.getLogger(__name__)
-
-
-class ServerError(RuntimeError):
-    """A task's server could not start (its port taken, its address not local)."""
 
 
 def start_server(tf_config: TFConfig, task: tuple[str, int] | None = None):
@@ -79,18 +77,17 @@ _table_servers: list = []  # kept alive with the process
 
 def _serve_tables(tf_config: TFConfig, task: str) -> None:
     """Hybrid's tables: a table server (`tfstrat.ps.tables`) on the ps task's tfstrat port
-    (TF_CONFIG port + 1), bound to the ps's own address towards the workers (`tfstrat._ports`)."""
-    from tfstrat import _ports
+    (TF_CONFIG port + 1), bound to the ps's own address towards the workers (`tfstrat.cluster.ports`)."""
     from tfstrat.ps.tables import serve_tables
 
     address = tf_config.task_address
     trainers = tf_config.addresses("chief") + tf_config.addresses("worker")
-    host = _ports.route_source(trainers) or _ports.wildcard(_ports.split(address)[0])
-    rpc = _ports.join(host, _ports.tfstrat_port(address))
-    what = f"table server (TF_CONFIG port + {_ports.offset()})"
+    host = ports.route_source(trainers) or ports.wildcard(ports.split(address)[0])
+    rpc = ports.join(host, ports.tfstrat_port(address))
+    what = f"table server (TF_CONFIG port + {ports.offset()})"
     try:
-        _table_servers.append(serve_tables(host, _ports.tfstrat_port(address), task, what))
-    except _ports.ListenError as e:
+        _table_servers.append(serve_tables(host, ports.tfstrat_port(address), task, what))
+    except ports.ListenError as e:
         raise ServerError(str(e)) from None
     logger.info("tfstrat server: %s tables at %s", task, rpc)
 
@@ -98,19 +95,6 @@ def _serve_tables(tf_config: TFConfig, task: str) -> None:
 def serve(tf_config: TFConfig, task: tuple[str, int] | None = None) -> None:
     """Starts a task's server and blocks until the process is stopped."""
     start_server(tf_config, task).join()
-
-
-def accepts(address: str) -> bool:
-    """Whether something accepts TCP connections at `address` (within 1 s)."""
-    import socket
-
-    from tfstrat import _ports
-
-    try:
-        with socket.create_connection(_ports.split(address), timeout=1):
-            return True
-    except OSError:
-        return False
 
 
 def serve_until_workers_exit(tf_config: TFConfig, poll: float = 1.0) -> None:
@@ -125,7 +109,7 @@ def serve_until_workers_exit(tf_config: TFConfig, poll: float = 1.0) -> None:
     seen: set[str] = set()
     while True:
         time.sleep(poll)
-        up = {a for a in trainers if accepts(a)}
+        up = {a for a in trainers if ports.accepts(a)}
         seen |= up
         if seen == trainers and not up:
             logger.info("tfstrat server: every worker has finished; ps exits")

@@ -1,10 +1,10 @@
-"""Multi-node layouts for `tfstrat launch --nodes` (torchrun's `--nnodes/--node-rank`).
+"""The plan of a multi-node cluster for `tfstrat launch --nodes` (torchrun's `--nnodes/--node-rank`).
 
 Every node's launcher is started with the same arguments and builds the same TF_CONFIG from
 them; it then starts only its own node's tasks. On node k, its workers come first, then its ps
 tasks, at ports P, P + 2, P + 4, ... of its host, where P is the node's own port when its entry
 says `host:port`, else `--port`. The port above each task's, P + 1 (`TFSTRAT_PORT_OFFSET`), is
-its tfstrat port (`tfstrat._ports`), so the ports step by offset + 1. Workers are numbered node
+its tfstrat port, so the ports step by offset + 1. Workers are numbered node
 by node, the first node's first, and so are ps tasks: worker:0, which TensorFlow and Keras
 treat as the chief when the cluster has no chief task, runs on the first node.
 
@@ -15,20 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
-from tfstrat import _ports
-from tfstrat.cluster import (
-    _MAX_TASKS,
-    TFConfig,
-    TFConfigError,
-    _check_address,
-    _expand_nodelist,
-    _is_ipv6,
-    _join_host_port,
-    _show,
-    _slurm_var,
-)
+from tfstrat.cluster import ports
+from tfstrat.cluster.hosts import MAX_TASKS, check_address, expand_nodelist, show
+from tfstrat.cluster.ports import is_ipv6, join
+from tfstrat.errors import TFConfigError
 
 DEFAULT_PORT = 12345  # as TFConfig.from_slurm and from_hostfile
 _ITEM = re.compile(r"(?:[^,\[]|\[[^\]]*\])+")  # commas inside brackets do not split
@@ -60,20 +52,20 @@ def parse_nodes(
     """
     items = [nodes] if isinstance(nodes, str) else list(nodes)
     if not all(isinstance(i, str) for i in items):
-        raise TFConfigError(f"Received: {what}={_show(nodes)}. Give host names, e.g. 'a,b'.")
+        raise TFConfigError(f"Received: {what}={show(nodes)}. Give host names, e.g. 'a,b'.")
     parsed: list[tuple[str, int | None]] = []
     for text in items:
         found = _ITEM.findall(text.replace(" ", ""))
         if not found or ",".join(found) != text.replace(" ", ""):
             raise TFConfigError(
-                f"Received: {what}={_show(text)}. List the nodes separated by commas, e.g. "
+                f"Received: {what}={show(text)}. List the nodes separated by commas, e.g. "
                 "'node1,node2', 'node[01-04]', '10.0.0.1:2222,10.0.0.2:2222' or '[fd00::1],[fd00::2]'."
             )
         for item in found:
             parsed += _parse_item(item, what)
-            if len(parsed) > _MAX_TASKS:
+            if len(parsed) > MAX_TASKS:
                 raise TFConfigError(
-                    f"Received: {what}={_show(text)}. List at most {_MAX_TASKS} nodes."
+                    f"Received: {what}={show(text)}. List at most {MAX_TASKS} nodes."
                 )
     return tuple(parsed)
 
@@ -85,11 +77,11 @@ def _parse_item(item: str, what: str) -> list[tuple[str, int | None]]:
     )
     if item.startswith("["):
         match = re.fullmatch(r"\[([0-9A-Fa-f:.%\w]+)\](?::([0-9]{1,5}))?", item)
-        if not match or not _is_ipv6(match[1]):
+        if not match or not is_ipv6(match[1]):
             raise bad
         return [(match[1], int(match[2]) if match[2] else None)]
     if item.count(":") > 1:
-        if not _is_ipv6(item):
+        if not is_ipv6(item):
             raise bad
         return [(item, None)]
     host, sep, port = item.partition(":")
@@ -99,7 +91,7 @@ def _parse_item(item: str, what: str) -> list[tuple[str, int | None]]:
         raise TFConfigError(
             f"Received: {item!r} in {what}. Port {int(port)} is out of range; use 1..65535."
         )
-    return [(h, int(port) if sep else None) for h in _expand_nodelist(what, host)]
+    return [(h, int(port) if sep else None) for h in expand_nodelist(what, host)]
 
 
 def _counts(name: str, value: int | str | Sequence[int], nodes: int) -> tuple[int, ...]:
@@ -117,7 +109,7 @@ def _counts(name: str, value: int | str | Sequence[int], nodes: int) -> tuple[in
         value = [value] * nodes
     counts = tuple(value)
     if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts):
-        raise TFConfigError(f"Received: {name}={_show(value)}. Counts are whole numbers >= 0.")
+        raise TFConfigError(f"Received: {name}={show(value)}. Counts are whole numbers >= 0.")
     if len(counts) != nodes:
         raise TFConfigError(
             f"Received: {name}={','.join(map(str, counts))} for {nodes} nodes. Give one count "
@@ -142,7 +134,7 @@ def plan(
     if not entries:
         raise TFConfigError("Received: nodes=''. List the nodes, e.g. --nodes node1,node2.")
     if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
-        raise TFConfigError(f"Received: port={_show(port)}. Use a port in 1..65535.")
+        raise TFConfigError(f"Received: port={show(port)}. Use a port in 1..65535.")
     workers = _counts("workers_per_node", workers_per_node, len(entries))
     ps = _counts("ps_per_node", ps_per_node, len(entries))
     if sum(workers) == 0:
@@ -150,7 +142,7 @@ def plan(
             f"Received: workers_per_node={','.join(map(str, workers))}. Put at least one worker "
             "on some node."
         )
-    step = _ports.offset() + 1
+    step = ports.offset() + 1
     result: list[Node] = []
     index = {"worker": 0, "ps": 0}
     for rank, (host, own_port) in enumerate(entries):
@@ -161,7 +153,7 @@ def plan(
                 f"Received: node {rank} ({host}) with 0 workers and 0 ps tasks. Give it a task "
                 "in --workers-per-node / --ps-per-node, or leave it out of --nodes."
             )
-        last = base + step * (len(jobs) - 1) + _ports.offset()
+        last = base + step * (len(jobs) - 1) + ports.offset()
         if last > 65535:
             raise TFConfigError(
                 f"Received: node {rank} ({host}) with {len(jobs)} tasks from port {base}. Its "
@@ -169,8 +161,8 @@ def plan(
             )
         tasks = []
         for j, job in enumerate(jobs):
-            address = _join_host_port(host, base + step * j)
-            _check_address(f"nodes[{rank}]", address)
+            address = join(host, base + step * j)
+            check_address(f"nodes[{rank}]", address)
             tasks.append((job, index[job], address))
             index[job] += 1
         result.append(Node(rank, host, base, tuple(tasks)))
@@ -193,124 +185,5 @@ def _check_overlaps(nodes: Sequence[Node], step: int) -> None:
                     f"Received: nodes {a.rank} and {b.rank} both on {host}, from ports "
                     f"{a.port} and {b.port}: node {a.rank}'s tasks use ports {a.port}..{end - 1}"
                     " (each task its port and the one above). Give each entry its own range, e.g. "
-                    f"--nodes {_join_host_port(host, a.port)},{_join_host_port(host, a.port + 100)}."
+                    f"--nodes {join(host, a.port)},{join(host, a.port + 100)}."
                 )
-
-
-@dataclasses.dataclass(frozen=True)
-class NodeLayout:
-    """Which node this launcher is, among nodes that all run `tfstrat launch` with the same
-    arguments.
-
-    Attributes:
-        nodes: the nodes, `"a,b"`, `"node[01-04]"`, `"10.0.0.1:2222,[fd00::2]"`, or a list.
-            `host:port` gives that node its own first port (two launchers on one machine).
-        rank: this node's index in `nodes` (torchrun's `--node-rank`).
-        workers_per_node: workers on every node, or one count per node (`"1,1,0"`).
-        ps_per_node: ps tasks on every node, or one count per node (`"0,0,1"`).
-        port: the first task's port on every node without its own port.
-
-    Example:
-        >>> layout = NodeLayout("a,b", rank=1, workers_per_node=2, port=2222)
-        >>> layout.tf_config().addresses("worker")
-        ('a:2222', 'a:2224', 'b:2222', 'b:2224')
-        >>> [name for name, _ in layout.local_tasks()]
-        ['worker:2', 'worker:3']
-    """
-
-    nodes: str | Sequence[str]
-    rank: int
-    workers_per_node: int | str | Sequence[int] = 1
-    ps_per_node: int | str | Sequence[int] = 0
-    port: int = DEFAULT_PORT
-
-    def __post_init__(self) -> None:
-        layout = plan(self.nodes, self.workers_per_node, self.ps_per_node, self.port)
-        rank = self.rank
-        if isinstance(rank, str) and rank.isdigit():
-            rank = int(rank)
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < len(layout):
-            raise TFConfigError(
-                f"Received: node_rank={_show(rank)} for {len(layout)} nodes "
-                f"({', '.join(n.host for n in layout[:4])}{', ...' if len(layout) > 4 else ''}). "
-                f"Use 0..{len(layout) - 1}: this node's position in --nodes."
-            )
-        object.__setattr__(self, "rank", rank)
-        object.__setattr__(self, "_plan", layout)
-
-    @property
-    def plan(self) -> tuple[Node, ...]:
-        return self._plan  # type: ignore[attr-defined]
-
-    @property
-    def node(self) -> Node:
-        """This launcher's node."""
-        return self.plan[self.rank]
-
-    def tf_config(self) -> TFConfig:
-        """The cluster (no task): the same on every node."""
-        cluster: dict[str, list[str]] = {"worker": [], "ps": []}
-        for node in self.plan:
-            for job, _, address in node.tasks:
-                cluster[job].append(address)
-        return TFConfig(cluster)
-
-    def local_tasks(self) -> list[tuple[str, tuple[str, int]]]:
-        """This node's tasks: ("worker:2", ("worker", 2)), ..."""
-        return [(f"{job}:{i}", (job, i)) for job, i, _ in self.node.tasks]
-
-    def places(self) -> dict[str, str]:
-        """Every task's node, for reports: {"worker:1": "node 1 (b)", ...}."""
-        return {f"{job}:{i}": node.where for node in self.plan for job, i, _ in node.tasks}
-
-    def remote_trainers(self) -> dict[str, str]:
-        """The workers of the other nodes: {"worker:1": "b:2222"}."""
-        return {
-            f"{job}:{i}": address
-            for node in self.plan
-            if node.rank != self.rank
-            for job, i, address in node.tasks
-            if job != "ps"
-        }
-
-    @classmethod
-    def from_slurm(
-        cls,
-        environ: Mapping[str, str],
-        workers_per_node: int | str | Sequence[int] = 1,
-        ps_per_node: int | str | Sequence[int] = 0,
-        port: int = DEFAULT_PORT,
-        rank: int | None = None,
-    ) -> NodeLayout:
-        """The layout of a `srun --ntasks-per-node=1 tfstrat launch ...` step: nodes from
-        SLURM_STEP_NODELIST (else SLURM_JOB_NODELIST), this node from SLURM_NODEID (unless
-        `rank` is given), checked against SLURM_STEP_NUM_NODES / SLURM_NNODES and one launcher
-        per node (SLURM_LOCALID 0, SLURM_STEP_TASKS_PER_NODE all 1)."""
-        name, text = _slurm_var(environ, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST")
-        hosts = _expand_nodelist(name, text)
-        for count_name in ("SLURM_STEP_NUM_NODES", "SLURM_NNODES"):
-            count = environ.get(count_name)
-            if count:
-                if count != str(len(hosts)):
-                    raise TFConfigError(
-                        f"Received: {count_name}={count!r} but {name}={_show(text)} lists "
-                        f"{len(hosts)} nodes. Run tfstrat launch under srun in one allocation."
-                    )
-                break
-        local_id = environ.get("SLURM_LOCALID", "0")
-        per_node = environ.get("SLURM_STEP_TASKS_PER_NODE", "")
-        if local_id != "0" or re.search(r"(^|,)([2-9]|[1-9][0-9]+)(\(|,|$)", per_node):
-            raise TFConfigError(
-                f"Received: SLURM_LOCALID={local_id!r}, SLURM_STEP_TASKS_PER_NODE={per_node!r}: "
-                "srun started several launchers on one node. Start one per node: "
-                "srun --ntasks-per-node=1 tfstrat launch --workers-per-node N -- ..."
-            )
-        if rank is None:
-            node_id = environ.get("SLURM_NODEID")
-            if node_id is None:
-                raise TFConfigError(
-                    "Received: SLURM_NODEID unset. Run tfstrat launch under srun, or give "
-                    "--node-rank."
-                )
-            rank = node_id
-        return cls(",".join(hosts), rank, workers_per_node, ps_per_node, port)

@@ -24,10 +24,6 @@ _SAME_CLUSTER = "Give every task the same TF_CONFIG cluster (only 'task' differs
 _SAME_OPTIONS = "Create the strategy with the same arguments on every task."
 
 
-class AgreementError(ValueError):
-    """Tasks of one cluster disagree on the cluster, the strategy's options or the model."""
-
-
 def describe(tf_config, variables: Iterable = (), options: Mapping[str, Any] | None = None) -> dict:
     """A JSON-able description of what must agree across tasks.
 

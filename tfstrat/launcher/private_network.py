@@ -3,7 +3,7 @@
 TensorFlow's gRPC server binds all interfaces (it has no bind-address option) and runs any op
 it is sent, unauthenticated, so a local cluster's ports are open to the machine's network for
 as long as it runs. `run` starts a second launcher inside a new network namespace that has only
-loopback (`tfstrat/_netns.py` creates it, then execs `python -m tfstrat._private`, which reads
+loopback (`netns.py` creates it, then execs `python -m tfstrat.launcher.inner`, which reads
 the LaunchConfig as JSON on stdin), copies its output, and forwards SIGINT/SIGTERM to it. The
 inner launcher is an ordinary `launch`: its tasks, watchers and reports are the same.
 """
@@ -20,7 +20,9 @@ import threading
 import time
 from typing import TextIO
 
-_NETNS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_netns.py")
+from tfstrat.launcher.tasks import uninterrupted
+
+_NETNS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "netns.py")
 _EXIT_TIMEOUT = 124
 _SLACK = 30.0  # seconds the inner launcher gets beyond its own timeout and grace
 
@@ -31,7 +33,7 @@ def run(config, out: TextIO) -> int:
     spec = dataclasses.asdict(dataclasses.replace(config, private_network=False))
     spec["command"] = list(config.command)
     argv = [sys.executable, "-I", "-S", _NETNS, str(os.getpid())]
-    argv += [sys.executable, "-m", "tfstrat._private"]
+    argv += [sys.executable, "-m", "tfstrat.launcher.inner"]
     # Its own process group: a terminal's Ctrl-C reaches this launcher only, which forwards it
     # once (two SIGINTs would cut the inner launcher's grace period short).
     proc = subprocess.Popen(
@@ -54,7 +56,7 @@ def run(config, out: TextIO) -> int:
     except KeyboardInterrupt as e:
         signum = getattr(e, "signum", signal.SIGINT)
         proc.send_signal(signum)  # the inner launcher stops every task, then exits 128 + signum
-        code = _uninterrupted(lambda: _wait(proc, config.grace + _SLACK))
+        code = uninterrupted(lambda: _wait(proc, config.grace + _SLACK))
     if code is None:
         proc.kill()  # its tasks' watchers see their lifeline cut and kill them
         proc.wait()
@@ -84,23 +86,3 @@ def _wait(proc: subprocess.Popen, limit: float | None) -> int | None:
             continue
         return 128 - code if code < 0 else code
     return None
-
-
-def _uninterrupted(fn):
-    while True:
-        try:
-            return fn()
-        except KeyboardInterrupt:
-            continue
-
-
-def inner() -> int:
-    """The launcher inside the namespace: the LaunchConfig comes as JSON on stdin."""
-    from tfstrat.launch import LaunchConfig, launch
-
-    spec = json.loads(sys.stdin.read())
-    return launch(LaunchConfig(**spec))
-
-
-if __name__ == "__main__":
-    sys.exit(inner())

@@ -1,5 +1,5 @@
 """Process settings tfstrat makes on the user's behalf: TensorFlow's BFC allocator on the CPU,
-and quiet logs (`tfstrat/_quiet.py`: TensorFlow's Python warnings that say nothing).
+and quiet logs (`quiet`: TensorFlow's Python warnings that say nothing).
 
 With TensorFlow's default CPU allocator (the C library's malloc), a step under a tf.distribute
 strategy ran at about half the speed of the same step without one (benchmarks/overhead). The strategy's input path builds a GeneratorDataset, whose kernel fixes
@@ -10,8 +10,8 @@ tensors stay clear of malloc and the steps run as fast as without a strategy.
 
 TensorFlow reads `TF_CPU_ALLOCATOR_USE_BFC` once, when it creates its CPU devices: at the
 first op, `tf.config.list_logical_devices()` or the first strategy, not at `import tensorflow`.
-So `import tfstrat` sets it while that has not happened yet (`configure`), and warns once when
-it is too late; `tfstrat launch` sets it in the environment of every task it starts
+So creating a tfstrat strategy sets it while that has not happened yet (`configure`, called by
+`tfstrat.runtime.apply`), and warns once when it is too late; `tfstrat launch` sets it in the environment of every task it starts
 (`task_env`).
 
 Environment:
@@ -28,7 +28,7 @@ import os
 import sys
 from collections.abc import Mapping
 
-from tfstrat import _quiet
+from tfstrat.runtime import quiet
 
 logger = logging.getLogger("tfstrat")
 
@@ -58,8 +58,8 @@ def _choice(env: Mapping[str, str]) -> str:
 def task_env(env: Mapping[str, str]) -> dict[str, str]:
     """`env` for a task that `tfstrat launch` starts, with tfstrat's process settings added.
 
-    The user's own `TF_CPU_ALLOCATOR_USE_BFC` is kept; one that this process's
-    `import tfstrat` set is dropped when the task asks for `TFSTRAT_CPU_ALLOCATOR=default`.
+    The user's own `TF_CPU_ALLOCATOR_USE_BFC` is kept; one that tfstrat set in this process
+    (`configure`) is dropped when the task asks for `TFSTRAT_CPU_ALLOCATOR=default`.
 
     Args:
         env: the task's environment so far.
@@ -90,18 +90,19 @@ def _tensorflow_has_devices() -> bool:
 def configure() -> None:
     """Sets `TF_CPU_ALLOCATOR_USE_BFC=true` in this process if TensorFlow can still read it.
 
-    Called by `import tfstrat`. Does nothing when the variable is already set (by the user,
-    or by `tfstrat launch`) or `TFSTRAT_CPU_ALLOCATOR=default`; warns once when TensorFlow
-    has already created its devices. Also hides TensorFlow's Python warnings that say nothing
-    (`_quiet.install`; `TFSTRAT_VERBOSE=1` keeps them).
+    Called when a strategy is created (`tfstrat.runtime.apply`). Does nothing when the
+    variable is already set (by the user, or by `tfstrat launch`) or
+    `TFSTRAT_CPU_ALLOCATOR=default`; warns once when TensorFlow has already created its
+    devices. Also hides TensorFlow's Python warnings that say nothing (`quiet.install`;
+    `TFSTRAT_VERBOSE=1` keeps them).
     """
     global _state
-    _quiet.install()
+    quiet.install()
     if _state is not None:
         return
     try:
         choice = _choice(os.environ)
-    except ValueError as e:  # at import: say it, and keep TensorFlow's allocator
+    except ValueError as e:  # say it, and keep TensorFlow's allocator
         logger.warning("tfstrat: %s Keeping TensorFlow's CPU allocator.", e)
         return
     if choice == "default":
@@ -114,10 +115,10 @@ def configure() -> None:
     if _tensorflow_has_devices():
         _state = "too-late"
         logger.warning(
-            "tfstrat: TensorFlow created its CPU devices before `import tfstrat`, so its CPU "
-            "allocator stays the default one, with which steps under a strategy run up to 2x "
-            "slower on CPU. Set %s=true in the environment before Python starts (or import "
-            "tfstrat before any TensorFlow op); %s=default silences this warning.",
+            "tfstrat: TensorFlow created its CPU devices before the first tfstrat strategy, so "
+            "its CPU allocator stays the default one, with which steps under a strategy run up "
+            "to 2x slower on CPU. Set %s=true in the environment before Python starts (or "
+            "create the strategy before any TensorFlow op); %s=default silences this warning.",
             ALLOCATOR,
             SWITCH,
         )
@@ -127,12 +128,12 @@ def configure() -> None:
 
 
 def announce() -> None:
-    """Logs once per process what `configure` set (tfstrat strategies call it on creation)."""
+    """Logs once per process what `configure` set (`tfstrat.runtime.apply` calls it)."""
     global _announced
     if _announced or _state not in ("set", "launcher"):
         return
     _announced = True
-    by = "import tfstrat" if _state == "set" else "tfstrat launch"
+    by = "tfstrat's strategy" if _state == "set" else "tfstrat launch"
     logger.info(
         "tfstrat: TensorFlow's BFC CPU allocator (%s=true, set by %s; %s=default turns it off)",
         ALLOCATOR,

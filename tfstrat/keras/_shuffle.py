@@ -29,6 +29,8 @@ import threading
 
 import numpy as np
 
+from tfstrat._compat import patches
+
 logger = logging.getLogger(__name__)
 
 SHUFFLE_SEED = 20190325  # any constant: the same on every worker is what matters
@@ -85,7 +87,7 @@ def seed_shuffles(set_global_seed: bool = True) -> None:
         set_global_seed: also set TensorFlow's global seed when none is set, so that unseeded
             random ops in the user's own `tf.data` pipelines agree across workers too.
     """
-    from tensorflow.python.framework import random_seed
+    from tfstrat._compat.tf import random_seed
 
     if set_global_seed and random_seed.get_seed(None)[0] is None:
         import tensorflow as tf
@@ -110,9 +112,7 @@ def seed_shuffles(set_global_seed: bool = True) -> None:
 
 def _install() -> None:
     global _installed
-    from keras.src.callbacks.callback_list import CallbackList
-    from keras.src.trainers.data_adapters.array_data_adapter import ArrayDataAdapter
-    from keras.src.trainers.epoch_iterator import EpochIterator
+    from tfstrat._compat.keras import ArrayDataAdapter, CallbackList, EpochIterator
 
     keras_dataset = ArrayDataAdapter.get_tf_dataset
     keras_epoch_begin = CallbackList.on_epoch_begin
@@ -145,15 +145,27 @@ def _install() -> None:
         finally:
             self.steps_per_epoch, self._num_batches = counts
 
-    ArrayDataAdapter.get_tf_dataset = get_tf_dataset
-    CallbackList.on_epoch_begin = on_epoch_begin
-    EpochIterator._enumerate_iterator = enumerate_iterator
+    patches.patch(
+        ArrayDataAdapter,
+        "get_tf_dataset",
+        get_tf_dataset,
+        "shuffle=True draws each epoch's order from (seed, epoch): the same on every worker",
+    )
+    patches.patch(
+        CallbackList, "on_epoch_begin", on_epoch_begin, "the epoch the shuffle order is drawn for"
+    )
+    patches.patch(
+        EpochIterator,
+        "_enumerate_iterator",
+        enumerate_iterator,
+        "BackupAndRestore resumes in the middle of an epoch: skips the batches already trained",
+    )
     _installed = True
     logger.info("tfstrat: shuffle=True draws each epoch's order from (seed, epoch)")
 
 
 def _seed() -> int:
-    from tensorflow.python.framework import random_seed
+    from tfstrat._compat.tf import random_seed
 
     seed = random_seed.get_seed(None)[0]
     return SHUFFLE_SEED if seed is None else int(seed)
@@ -162,8 +174,8 @@ def _seed() -> int:
 def _seeded_dataset(adapter):
     """Keras's shuffled array dataset, in the order (seed, epoch) draws."""
     import tensorflow as tf
-    from keras.src import tree
-    from keras.src.trainers.data_adapters import array_slicing
+
+    from tfstrat._compat.keras import array_slicing, tree
 
     n, size, seed = adapter._num_samples, adapter._batch_size, _seed()
 

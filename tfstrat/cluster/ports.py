@@ -20,11 +20,11 @@ import os
 import socket
 from collections.abc import Sequence
 
+from tfstrat.errors import ListenError, TFConfigError
+
 PORT_OFFSET_ENV = "TFSTRAT_PORT_OFFSET"
-
-
-class ListenError(RuntimeError):
-    """A tfstrat listener could not bind its address and port."""
+# What listens on each kind of task's tfstrat port (P + 1), for reports.
+LISTENERS = {"chief": "tfstrat ring", "worker": "tfstrat ring", "ps": "Hybrid's table server"}
 
 
 def offset() -> int:
@@ -51,7 +51,7 @@ def split(address: str) -> tuple[str, int]:
 def join(host: str, port: int) -> str:
     """ "host:port", with brackets around an IPv6 address (else its colons would read as the
     port separator)."""
-    return f"[{host}]:{port}" if _is_ipv6(host) else f"{host}:{port}"
+    return f"[{host}]:{port}" if is_ipv6(host) else f"{host}:{port}"
 
 
 def tfstrat_port(address: str) -> int:
@@ -86,12 +86,12 @@ def route_source(peers: Sequence[str]) -> str | None:
 
 def wildcard(like: str) -> str:
     """All interfaces, in the family of the address `like` ("0.0.0.0" or "::")."""
-    return "::" if _is_ipv6(like) else "0.0.0.0"
+    return "::" if is_ipv6(like) else "0.0.0.0"
 
 
 def listen(host: str, port: int, task: str, what: str) -> socket.socket:
     """A listening TCP socket on (host, port), or a ListenError naming task, address and fix."""
-    family = socket.AF_INET6 if _is_ipv6(host) else socket.AF_INET
+    family = socket.AF_INET6 if is_ipv6(host) else socket.AF_INET
     s = socket.socket(family, socket.SOCK_STREAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a past run's TIME_WAIT is no conflict
     try:
@@ -108,8 +108,82 @@ def listen(host: str, port: int, task: str, what: str) -> socket.socket:
     return s
 
 
-def _is_ipv6(text: str) -> bool:
+def is_ipv6(text: str) -> bool:
     try:
         return isinstance(ipaddress.ip_address(text), ipaddress.IPv6Address)
     except ValueError:
         return False
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """Returns a TCP port on `host` that was free when checked (bound, read and released).
+
+    Example:
+        >>> 1 <= free_port() <= 65535
+        True
+    """
+    return free_ports(1, host)[0]
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    # All sockets stay open until every port is read, so the kernel cannot hand out one twice.
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            sockets.append(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sockets[-1].bind((host, 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    except OSError as err:
+        raise TFConfigError(
+            f"Received: {count} ports on {host!r}. Binding failed ({err}); ask for fewer tasks."
+        ) from err
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def free_port_pairs(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` ports p whose p + offset was free too (each task's tfstrat port)."""
+    step = offset()
+    found: list[int] = []
+    held: list[socket.socket] = []
+    try:
+        for _ in range(200 * max(count, 1)):
+            if len(found) == count:
+                return found
+            first = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            first.bind((host, 0))
+            held.append(first)
+            port = first.getsockname()[1]
+            second = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                second.bind((host, port + step))
+            except OSError:
+                second.close()
+                continue
+            held.append(second)
+            found.append(port)
+        raise TFConfigError(
+            f"Received: {count} tasks on {host!r}; found no ports p with p + {step} free as well."
+        )
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def refusal(address: str, timeout: float = 1.0) -> str | None:
+    """None when something accepts a TCP connection at "host:port" `address` within `timeout`
+    seconds, else why not ("no answer within 1 s", "Connection refused", ...). tfstrat's one
+    reachability probe: the launcher, `tfstrat doctor` and the ps task's exit watch use it."""
+    try:
+        with socket.create_connection(split(address), timeout=timeout):
+            return None
+    except TimeoutError:
+        return f"no answer within {timeout:g} s"
+    except OSError as e:
+        return e.strerror or type(e).__name__
+
+
+def accepts(address: str, timeout: float = 1.0) -> bool:
+    """Whether something accepts TCP connections at `address` within `timeout` seconds."""
+    return refusal(address, timeout) is None

@@ -7,7 +7,7 @@ no check failed, else 1:
 - the devices (`tfstrat devices`, without starting TensorFlow's runtime);
 - TF_CONFIG: this task and the cluster, or why it is invalid;
 - what `tfstrat.auto()` would pick for it, without creating the strategy (which starts servers);
-- the ports this task would listen on (`tfstrat/_ports.py`): TensorFlow's P, tfstrat's P + 1;
+- the ports this task would listen on (`tfstrat/cluster/ports.py`): TensorFlow's P, tfstrat's P + 1;
 - every other task in TF_CONFIG: its name resolves, and its TensorFlow port accepts a TCP
   connection within `timeout` seconds (it is only a connect: nothing is sent).
 
@@ -23,12 +23,12 @@ import sys
 from collections.abc import Mapping
 from typing import TextIO
 
-from tfstrat import _ports
 from tfstrat.cluster import TFConfig, TFConfigError
+from tfstrat.cluster import ports as _ports
+from tfstrat.strategies.choice import choose, describe
 
 # The TensorFlow releases tfstrat is built and tested against (pyproject.toml's range).
 _TF_SUPPORTED = ((2, 21), (2, 22))
-_WHAT = {"chief": "tfstrat ring", "worker": "tfstrat ring", "ps": "Hybrid's table server"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,38 +67,12 @@ def _devices(info) -> Check:
     return Check("ok", f"devices: {info.cpu_count} CPU(s), {gpus}{nccl}{tpu}")
 
 
-def auto_choice(tf_config: TFConfig | None, info) -> str:
-    """What `tfstrat.auto()` would return for `tf_config` on a host with `info`, and why
-    (the same order of rules as `tfstrat/strategies/auto.py`)."""
-    if info.tpu:
-        return f"TPUStrategy (TPU {info.tpu} found)"
-    ps = len(tf_config.addresses("ps")) if tf_config is not None else 0
-    if ps:
-        return f"Hybrid (TF_CONFIG has {ps} ps task(s))"
-    if tf_config is not None and tf_config.num_workers > 1:
-        return f"CollectiveAllReduce (TF_CONFIG has {tf_config.num_workers} workers)"
-    if len(info.gpus) >= 2:
-        return f"MirroredNCCL ({len(info.gpus)} local GPUs)"
-    return f"TensorFlow's default strategy (one worker, {len(info.gpus)} GPU(s), no TPU)"
-
-
 def _tasks(config: TFConfig) -> list[tuple[str, str]]:
     return [
         (f"{job}:{i}", address)
         for job in ("chief", "worker", "ps", "evaluator")
         for i, address in enumerate(config.addresses(job))
     ]
-
-
-def _answers(host: str, port: int, timeout: float) -> str | None:
-    """None when something accepts a TCP connection at (host, port), else why not."""
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return None
-    except TimeoutError:
-        return f"no answer within {timeout:g} s"
-    except OSError as e:
-        return e.strerror or type(e).__name__
 
 
 def _own_ports(config: TFConfig, timeout: float) -> Check:
@@ -113,12 +87,12 @@ def _own_ports(config: TFConfig, timeout: float) -> Check:
         return Check("FAIL", str(e))
     peers = [a for name, a in _tasks(config) if name != me and not name.startswith("evaluator")]
     bind = _ports.route_source(peers) or _ports.wildcard(host)
-    used = [p for p in (port, mine) if _answers(host, p, timeout) is None]
+    used = [p for p in (port, mine) if _ports.refusal(_ports.join(host, p), timeout) is None]
     state = f"; in use now: {', '.join(map(str, used))} (by this task, if it runs)" if used else ""
     return Check(
         "note" if used else "ok",
         f"{me} listens on {port}/tcp (TensorFlow gRPC server, all interfaces) and "
-        f"{mine}/tcp ({_WHAT[config.task_type]}, {bind}){state}",
+        f"{mine}/tcp ({_ports.LISTENERS[config.task_type]}, {bind}){state}",
     )
 
 
@@ -132,7 +106,7 @@ def _peer(name: str, address: str, timeout: float) -> Check:
             f"{name} at {address}: {host!r} does not resolve ({e.strerror or e}): fix the name "
             "in TF_CONFIG, or /etc/hosts or DNS on this host",
         )
-    why = _answers(host, port, timeout)
+    why = _ports.refusal(_ports.join(host, port), timeout)
     where = ", ".join(resolved[:3])
     if why is not None:
         return Check(
@@ -151,14 +125,14 @@ def checks(env: Mapping[str, str] | None = None, timeout: float = 2.0) -> list[C
         env: the environment to read TF_CONFIG from (default: this process's).
         timeout: seconds each peer gets to accept a connection.
     """
-    from tfstrat.devices import devices
+    from tfstrat.cluster.devices import devices
 
     env = os.environ if env is None else env
     info = devices()
     out = [_versions(info), _devices(info)]
     if "TF_CONFIG" not in env:
         out.append(Check("ok", "TF_CONFIG is not set: a one-process job"))
-        out.append(Check("ok", f"tfstrat.auto() would pick {auto_choice(None, info)}"))
+        out.append(Check("ok", f"tfstrat.auto() would pick {describe(*choose(None, info))}"))
         return out
     try:
         config = TFConfig.from_env(env)
@@ -170,7 +144,7 @@ def checks(env: Mapping[str, str] | None = None, timeout: float = 2.0) -> list[C
     )
     me = f"{config.task_type}:{config.task_index}" if config.task_type else None
     out.append(Check("ok", f"TF_CONFIG: this task is {me or 'not named'}; cluster: {counts}"))
-    out.append(Check("ok", f"tfstrat.auto() would pick {auto_choice(config, info)}"))
+    out.append(Check("ok", f"tfstrat.auto() would pick {describe(*choose(config, info))}"))
     if config.task_address is not None:
         out.append(_own_ports(config, timeout))
     for name, address in _tasks(config):

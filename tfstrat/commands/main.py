@@ -57,8 +57,8 @@ def _task(text: str) -> tuple[str, int]:
 
 
 def _cmd_devices(args) -> int:
-    from tfstrat._quiet import quiet_tensorflow_import
-    from tfstrat.devices import devices
+    from tfstrat.cluster.devices import devices
+    from tfstrat.runtime.quiet import quiet_tensorflow_import
 
     with quiet_tensorflow_import():  # TensorFlow's import prints C++ start-up lines
         info = devices()
@@ -69,7 +69,7 @@ def _cmd_devices(args) -> int:
 def _cmd_tf_config(args) -> int:
     task_type, index = _task(args.task) if args.task else (None, None)
     if args.nodes:
-        from tfstrat._nodes import DEFAULT_PORT
+        from tfstrat.cluster.nodes import DEFAULT_PORT
 
         if args.worker or args.ps or args.chief or args.evaluator:
             raise TFConfigError(
@@ -98,7 +98,7 @@ def _cmd_tf_config(args) -> int:
             task_index=index,
         )
     if args.explain:
-        from tfstrat._explain import explain
+        from tfstrat.commands.explain import explain
 
         print(explain(config))
         return 0
@@ -110,7 +110,8 @@ def _cmd_tf_config(args) -> int:
 def _node_layout(args):
     """The NodeLayout of a multi-node launch (from --nodes, else srun's SLURM variables), or
     None for a one-machine launch."""
-    from tfstrat._nodes import DEFAULT_PORT, NodeLayout
+    from tfstrat.cluster.layout import NodeLayout
+    from tfstrat.cluster.nodes import DEFAULT_PORT
 
     per_node = dict(
         workers_per_node=args.workers_per_node if args.workers_per_node is not None else 1,
@@ -157,7 +158,7 @@ def _node_layout(args):
 
 
 def _cmd_launch(args) -> int:
-    from tfstrat.launch import LaunchConfig, launch
+    from tfstrat.launcher.api import LaunchConfig, launch
 
     command = list(args.command)
     if command and command[0] == "--":
@@ -251,15 +252,15 @@ examples:
 
 
 def _cmd_doctor(args) -> int:
-    from tfstrat._doctor import run
-    from tfstrat._quiet import quiet_tensorflow_import
+    from tfstrat.commands.doctor import run
+    from tfstrat.runtime.quiet import quiet_tensorflow_import
 
     with quiet_tensorflow_import():  # TensorFlow's import prints C++ start-up lines
         return run(timeout=args.timeout)
 
 
 def _cmd_server(args) -> int:
-    from tfstrat.server import ServerError, serve
+    from tfstrat.ps.server import ServerError, serve
 
     try:
         serve(TFConfig.from_env(), _task(args.task) if args.task else None)
@@ -510,7 +511,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_cmd_launch)
 
     p = sub.add_parser(
-        "bench", help="benchmarks: scaling (Mirrored vs CollectiveAllReduce), sparse (embeddings), allreduce"
+        "bench",
+        help="benchmarks: scaling (Mirrored vs CollectiveAllReduce), sparse (embeddings), allreduce",
     )
     p.add_argument("name", choices=["scaling", "sparse", "allreduce"])
     g = p.add_argument_group("Cluster")

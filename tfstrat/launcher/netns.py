@@ -1,6 +1,6 @@
 """Enters a private network, then runs a command in it: `tfstrat launch --private-network`.
 
-`python -I -S _netns.py PARENT_PID COMMAND...` moves itself into a new network namespace whose
+`python -I -S netns.py PARENT_PID COMMAND...` moves itself into a new network namespace whose
 only interface is loopback, brings `lo` up, and execs COMMAND (the inner `tfstrat launch`), so
 every task it starts shares that namespace: they reach each other on 127.0.0.1, and nothing
 outside the namespace (other machines, other processes of this one) reaches them. As root it

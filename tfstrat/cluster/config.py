@@ -9,20 +9,19 @@ names the value and the fix. Importing this module does not import TensorFlow.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import logging
-import math
 import os
 import re
-import socket
 import types
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from tfstrat import _ports
-from tfstrat._ports import _is_ipv6
-from tfstrat._ports import join as _join_host_port
+from tfstrat.cluster import hosts as _hosts
+from tfstrat.cluster import ports
+from tfstrat.cluster.hosts import check_address, show, to_int
+from tfstrat.cluster.nodes import plan
+from tfstrat.errors import TFConfigError
 
 if TYPE_CHECKING:
     from tensorflow.distribute.cluster_resolver import ClusterResolver
@@ -30,133 +29,24 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 TASK_TYPES = ("chief", "worker", "ps", "evaluator")
-_HOST_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
-_DIGITS_RE = re.compile(r"[0-9]{1,9}")  # bounded: int() of a 5000-digit string raises ValueError
 _RPC_RE = re.compile(r"[A-Za-z0-9+._-]+")
-# Bounds SLURM and hostfile expansion: `node[1-999999999]` must fail fast, not exhaust memory.
-_MAX_TASKS = 100_000
 _EXAMPLE = "e.g. {'worker': ['host-0:2222', 'host-1:2222']}"
-
-
-class TFConfigError(ValueError):
-    """A TF_CONFIG, or the input it is built from, is malformed or inconsistent.
-
-    Example:
-        >>> try:
-        ...     TFConfig.from_hosts(["a:2222", "a:2222"])
-        ... except TFConfigError as e:
-        ...     print(e)  # doctest: +ELLIPSIS
-        Received: TF_CONFIG['cluster']['worker'][1]='a:2222', also used by ...
-    """
-
-
-def _show(value: object, limit: int = 80) -> str:
-    """`repr(value)`, shortened so that an error message stays one readable line."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _int(
-    name: str, value: object, low: int | None = 0, high: int | None = None, why: str = ""
-) -> int:
-    """An int, or a string of ASCII digits (Kubeflow and shells write indices as text)."""
-    if isinstance(value, str) and _DIGITS_RE.fullmatch(value):
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TFConfigError(f"Received: {name}={_show(value)}. Use an int or a digit string.")
-    if (low is not None and value < low) or (high is not None and value > high):
-        bounds = f"{'' if low is None else low}..{'' if high is None else high}"
-        raise TFConfigError(f"Received: {name}={value}. Use a value in {bounds}{why}.")
-    return value
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """Returns a TCP port on `host` that was free when checked (bound, read and released).
-
-    Example:
-        >>> 1 <= free_port() <= 65535
-        True
-    """
-    return _free_ports(1, host)[0]
-
-
-def _free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    # All sockets stay open until every port is read, so the kernel cannot hand out one twice.
-    sockets: list[socket.socket] = []
-    try:
-        for _ in range(count):
-            sockets.append(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            sockets[-1].bind((host, 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    except OSError as err:
-        raise TFConfigError(
-            f"Received: {count} ports on {host!r}. Binding failed ({err}); ask for fewer tasks."
-        ) from err
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
-def _free_port_pairs(count: int, host: str = "127.0.0.1") -> list[int]:
-    """`count` ports p whose p + offset was free too (each task's tfstrat port: `_ports`)."""
-    step = _ports.offset()
-    found: list[int] = []
-    held: list[socket.socket] = []
-    try:
-        for _ in range(200 * max(count, 1)):
-            if len(found) == count:
-                return found
-            first = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            first.bind((host, 0))
-            held.append(first)
-            port = first.getsockname()[1]
-            second = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            try:
-                second.bind((host, port + step))
-            except OSError:
-                second.close()
-                continue
-            held.append(second)
-            found.append(port)
-        raise TFConfigError(
-            f"Received: {count} tasks on {host!r}; found no ports p with p + {step} free as well."
-        )
-    finally:
-        for sock in held:
-            sock.close()
-
-
-def _check_address(where: str, address: object) -> None:
-    host, sep, port = address.rpartition(":") if isinstance(address, str) else ("", "", "")
-    if host.startswith("[") and host.endswith("]"):
-        good_host = _is_ipv6(host[1:-1])
-    else:
-        good_host = _HOST_RE.fullmatch(host) is not None
-    if not sep or not good_host or not re.fullmatch(r"[0-9]{1,5}", port):
-        raise TFConfigError(
-            f"Received: {where}={_show(address)}. An address is a 'host:port' string with a "
-            "non-empty host (IPv6 in brackets, '[::1]:2222'); write it like 'worker-0:2222'."
-        )
-    if not 1 <= int(port) <= 65535:
-        raise TFConfigError(
-            f"Received: {where}={address!r}. Port {int(port)} is out of range; use 1..65535."
-        )
 
 
 def _check_job(job: str, addresses: object) -> tuple[str, ...]:
     where = f"TF_CONFIG['cluster'][{job!r}]"
     if isinstance(addresses, (str, bytes, bytearray)) or not isinstance(addresses, Sequence):
         raise TFConfigError(
-            f"Received: {where}={_show(addresses)}. Use a list of 'host:port' strings (sparse "
+            f"Received: {where}={show(addresses)}. Use a list of 'host:port' strings (sparse "
             f"{{index: address}} clusters are not supported), {_EXAMPLE}."
         )
     if len(addresses) > 1 and job in ("chief", "evaluator"):
         raise TFConfigError(
-            f"Received: {where}={_show(list(addresses))}. A cluster has at most one {job}; "
+            f"Received: {where}={show(list(addresses))}. A cluster has at most one {job}; "
             f"keep one{' and make the others workers' if job == 'chief' else ''}."
         )
     for i, address in enumerate(addresses):
-        _check_address(f"{where}[{i}]", address)
+        check_address(f"{where}[{i}]", address)
     return tuple(addresses)
 
 
@@ -164,13 +54,13 @@ def _check_cluster(cluster: object) -> Mapping[str, tuple[str, ...]]:
     """Validates a cluster; returns it read-only, in TASK_TYPES order, without empty jobs."""
     if not isinstance(cluster, Mapping):
         raise TFConfigError(
-            f"Received: TF_CONFIG['cluster']={_show(cluster)}. Map task types to lists of "
+            f"Received: TF_CONFIG['cluster']={show(cluster)}. Map task types to lists of "
             f"'host:port', {_EXAMPLE}."
         )
     for job in cluster:
         if not isinstance(job, str) or job not in TASK_TYPES:
             raise TFConfigError(
-                f"Received: task type {_show(job)} in TF_CONFIG['cluster']. Rename it to one of "
+                f"Received: task type {show(job)} in TF_CONFIG['cluster']. Rename it to one of "
                 f"{', '.join(TASK_TYPES)} (Kubeflow's 'master' is 'chief')."
             )
     jobs: dict[str, tuple[str, ...]] = {}
@@ -193,12 +83,12 @@ def _check_task(cluster: Mapping[str, tuple[str, ...]], task_type: object, index
         return
     if task_type is None or index is None:
         raise TFConfigError(
-            f"Received: task_type={_show(task_type)}, task_index={index}. Give both or neither, "
+            f"Received: task_type={show(task_type)}, task_index={index}. Give both or neither, "
             "e.g. TF_CONFIG['task'] = {'type': 'worker', 'index': 0}."
         )
     if not isinstance(task_type, str) or task_type not in TASK_TYPES:
         raise TFConfigError(
-            f"Received: task_type={_show(task_type)}. Use one of {', '.join(TASK_TYPES)} "
+            f"Received: task_type={show(task_type)}. Use one of {', '.join(TASK_TYPES)} "
             "(Kubeflow's 'master' is 'chief')."
         )
     task, size = f"task={task_type}:{index}", len(cluster.get(task_type, ()))
@@ -251,15 +141,15 @@ class TFConfig:
 
     def __post_init__(self) -> None:
         cluster = _check_cluster(self.cluster)
-        index = None if self.task_index is None else _int("task_index", self.task_index, None)
+        index = None if self.task_index is None else to_int("task_index", self.task_index, None)
         _check_task(cluster, self.task_type, index)
         # Frozen dataclass: normalized values can only be stored through object.__setattr__.
         object.__setattr__(self, "cluster", cluster)
         object.__setattr__(self, "task_index", index)
         if not isinstance(self.rpc_layer, str) or not _RPC_RE.fullmatch(self.rpc_layer):
-            raise TFConfigError(f"Received: rpc_layer={_show(self.rpc_layer)}. Use e.g. 'grpc'.")
+            raise TFConfigError(f"Received: rpc_layer={show(self.rpc_layer)}. Use e.g. 'grpc'.")
         if self.environment is not None and not isinstance(self.environment, str):
-            raise TFConfigError(f"Received: environment={_show(self.environment)}. Use a string.")
+            raise TFConfigError(f"Received: environment={show(self.environment)}. Use a string.")
 
     def __reduce__(self) -> tuple[Any, ...]:
         # A mappingproxy cannot be pickled; rebuild from a dict (for copy.deepcopy and pickle).
@@ -282,15 +172,15 @@ class TFConfig:
         """
         args = {"chief": chief, "worker": workers, "ps": ps, "evaluator": evaluator}
         counts = {
-            job: _int("workers" if job == "worker" else job, int(n) if isinstance(n, bool) else n)
+            job: to_int("workers" if job == "worker" else job, int(n) if isinstance(n, bool) else n)
             for job, n in args.items()
         }
         if counts["worker"] + counts["chief"] == 0:
             raise TFConfigError(
                 f"Received: workers={workers}, chief={chief}. Ask for at least one worker."
             )
-        # Every task listens on its port and on its tfstrat port (port + 1: `tfstrat._ports`).
-        pairs = iter(_free_port_pairs(sum(counts.values())))
+        # Every task listens on its port and on its tfstrat port (port + 1).
+        pairs = iter(ports.free_port_pairs(sum(counts.values())))
         return cls(
             {job: [f"127.0.0.1:{next(pairs)}" for _ in range(n)] for job, n in counts.items()}
         )
@@ -325,12 +215,12 @@ class TFConfig:
         task = data.get("task") if isinstance(data, Mapping) else None
         if not isinstance(data, Mapping) or "cluster" not in data:
             raise TFConfigError(
-                f"Received: TF_CONFIG={_show(data)}. Use an object with a 'cluster' key, e.g. "
+                f"Received: TF_CONFIG={show(data)}. Use an object with a 'cluster' key, e.g. "
                 "{'cluster': {'worker': ['a:2222']}, 'task': {'type': 'worker', 'index': 0}}."
             )
         if not isinstance(task, Mapping | None):
             raise TFConfigError(
-                f"Received: TF_CONFIG['task']={_show(task)}. Use {{'type': 'worker', 'index': 0}}"
+                f"Received: TF_CONFIG['task']={show(task)}. Use {{'type': 'worker', 'index': 0}}"
                 " or leave it out."
             )
         task, rpc_layer = task or {}, data.get("rpc_layer")
@@ -350,7 +240,7 @@ class TFConfig:
         except (ValueError, TypeError, RecursionError) as err:
             reason = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise TFConfigError(
-                f"Received: TF_CONFIG={_show(text)}. It is not valid JSON ({reason}); "
+                f"Received: TF_CONFIG={show(text)}. It is not valid JSON ({reason}); "
                 "write it with json.dumps or `tfstrat tf-config`."
             ) from err
         return cls.from_dict(data)
@@ -396,10 +286,12 @@ class TFConfig:
             (('n1:2222', 'n1:2224', 'n2:2222', 'n2:2224'), 'n2:2222')
         """
         environ = os.environ if environ is None else environ
-        port = _int("port", port, 1, 65535)
-        proc_id = _int(*_slurm_var(environ, "SLURM_PROCID"))
-        hosts = _expand_nodelist(*_slurm_var(environ, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"))
-        counts = _slurm_tasks_per_node(environ, len(hosts))
+        port = to_int("port", port, 1, 65535)
+        proc_id = to_int(*_hosts.slurm_var(environ, "SLURM_PROCID"))
+        hosts = _hosts.expand_nodelist(
+            *_hosts.slurm_var(environ, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST")
+        )
+        counts = _hosts.slurm_tasks_per_node(environ, len(hosts))
         tasks = [(host, k) for host, n in zip(hosts, counts, strict=True) for k in range(n)]
         if proc_id >= len(tasks):
             raise TFConfigError(
@@ -408,12 +300,12 @@ class TFConfig:
         local_id = environ.get("SLURM_LOCALID")
         if local_id is not None and local_id != str(tasks[proc_id][1]):
             raise TFConfigError(
-                f"Received: SLURM_LOCALID={_show(local_id)} for SLURM_PROCID={proc_id}; block "
+                f"Received: SLURM_LOCALID={show(local_id)} for SLURM_PROCID={proc_id}; block "
                 f"order gives local rank {tasks[proc_id][1]}. Use srun --distribution=block."
             )
-        ps = _int("ps", ps, 0, len(tasks) - 1, f" ({len(tasks)} tasks, one must be a worker)")
-        step = _ports.offset() + 1  # each task's port and its tfstrat port
-        addresses = [_join_host_port(host, port + step * k) for host, k in tasks]
+        ps = to_int("ps", ps, 0, len(tasks) - 1, f" ({len(tasks)} tasks, one must be a worker)")
+        step = ports.offset() + 1  # each task's port and its tfstrat port
+        addresses = [ports.join(host, port + step * k) for host, k in tasks]
         task = ("ps", proc_id) if proc_id < ps else ("worker", proc_id - ps)
         return cls({"worker": addresses[ps:], "ps": addresses[:ps]}, *task)
 
@@ -438,7 +330,7 @@ class TFConfig:
             ...     TFConfig.from_hostfile(path, port=2222).addresses("worker")
             ('a:2222', 'a:2224', 'b:2222')
         """
-        port = _int("port", port, 1, 65535)
+        port = to_int("port", port, 1, 65535)
         try:
             if not isinstance(path, str | os.PathLike):
                 raise TypeError("not a path")  # open(3) would read file descriptor 3
@@ -446,19 +338,19 @@ class TFConfig:
                 lines = f.read().splitlines()
         except (OSError, ValueError, TypeError) as err:
             raise TFConfigError(
-                f"Received: path={_show(path)}. Cannot read it as a UTF-8 hostfile ({err})."
+                f"Received: path={show(path)}. Cannot read it as a UTF-8 hostfile ({err})."
             ) from err
         workers: list[str] = []
         for number, line in enumerate(lines, 1):
-            host, slots = _parse_hostfile_line(line, f"{os.fspath(path)}:{number}", port)
-            step = _ports.offset() + 1
-            workers += [_join_host_port(host, port + step * k) for k in range(slots)]
-            if len(workers) > _MAX_TASKS:
+            host, slots = _hosts.parse_hostfile_line(line, f"{os.fspath(path)}:{number}", port)
+            step = ports.offset() + 1
+            workers += [ports.join(host, port + step * k) for k in range(slots)]
+            if len(workers) > _hosts.MAX_TASKS:
                 break
-        if not 0 < len(workers) <= _MAX_TASKS:
+        if not 0 < len(workers) <= _hosts.MAX_TASKS:
             raise TFConfigError(
                 f"Received: hostfile {os.fspath(path)!r} with {len(workers)} slots. List 1.."
-                f"{_MAX_TASKS} slots in lines like 'node1 slots=2'."
+                f"{_hosts.MAX_TASKS} slots in lines like 'node1 slots=2'."
             )
         return cls({"worker": workers}, task_type, task_index)
 
@@ -491,8 +383,6 @@ class TFConfig:
             >>> config.addresses("worker"), config.addresses("ps")
             (('a:2222', 'a:2224', 'b:2222', 'b:2224'), ('a:2226',))
         """
-        from tfstrat._nodes import plan
-
         cluster: dict[str, list[str]] = {"worker": [], "ps": []}
         for node in plan(nodes, workers_per_node, ps_per_node, port):
             for job, _, address in node.tasks:
@@ -534,6 +424,30 @@ class TFConfig:
         return self.task_type == "worker" and self.task_index == 0
 
     @property
+    def task_name(self) -> str | None:
+        """This task as "type:index" ("worker:1", "ps:0"), or None without a task."""
+        return None if self.task_type is None else f"{self.task_type}:{self.task_index}"
+
+    def trainer_name(self, worker: int | None = None) -> str:
+        """A training task's name for messages: "chief", "worker:N", and "worker:0 (the chief)"
+        in a cluster without a chief task. `worker` counts the chief first, as TensorFlow ranks
+        the workers; None names this task.
+
+        Example:
+            >>> config = TFConfig.from_hosts(["a:1", "b:1"])
+            >>> [config.trainer_name(w) for w in range(config.num_workers)]
+            ['worker:0 (the chief)', 'worker:1']
+        """
+        has_chief = bool(self.cluster.get("chief"))
+        if worker is None:
+            if self.task_type == "chief":
+                return "chief"
+            worker = self.task_index + has_chief
+        if has_chief:
+            return "chief" if worker == 0 else f"worker:{worker - 1}"
+        return f"worker:{worker}" + (" (the chief)" if worker == 0 else "")
+
+    @property
     def task_types(self) -> tuple[str, ...]:
         """The task types in `cluster`, in the order chief, worker, ps, evaluator."""
         return tuple(self.cluster)
@@ -549,7 +463,7 @@ class TFConfig:
         """The addresses of `task_type`; empty if the cluster has none of that type."""
         if task_type not in TASK_TYPES:
             raise TFConfigError(
-                f"Received: task_type={_show(task_type)}. Use one of {', '.join(TASK_TYPES)}."
+                f"Received: task_type={show(task_type)}. Use one of {', '.join(TASK_TYPES)}."
             )
         return tuple(self.cluster.get(task_type, ()))
 
@@ -564,92 +478,3 @@ class TFConfig:
             rpc_layer=self.rpc_layer,
             environment=self.environment or "",
         )
-
-
-def _slurm_var(environ: Mapping[str, str], *names: str) -> tuple[str, str]:
-    """(name, value) of the first of `names` set in `environ`."""
-    for name in names:
-        value = environ.get(name) if isinstance(environ, Mapping) else None
-        if isinstance(value, str) and value:
-            return name, value
-    raise TFConfigError(
-        f"Received: {' / '.join(names)} unset or empty. Run inside a SLURM allocation (srun), "
-        "or build the TFConfig with from_hosts."
-    )
-
-
-def _expand_nodelist(name: str, text: str) -> list[str]:
-    """`node[01-03,07],b3` -> node01 node02 node03 node07 b3 (SLURM's hostlist syntax)."""
-    where = f"{name}={_show(text)}"
-    bad = TFConfigError(
-        f"Received: {where}. Write it like 'node[01-03,07],b3', with at most {_MAX_TASKS} hosts."
-    )
-    # Commas inside brackets separate ranges, outside them hosts; anything unmatched (empty
-    # items, an unclosed bracket) makes the items no longer join back into the text.
-    items = re.findall(r"(?:[^,\[]|\[[^\]]*\])+", text)
-    if ",".join(items) != text:
-        raise bad
-    hosts: list[str] = []
-    for item in items:
-        # re.split alternates literal text (even positions) and bracket contents (odd).
-        parts = re.split(r"\[([^\]]*)\]", item)
-        choices = [[p] if i % 2 == 0 else _expand_ranges(p, where) for i, p in enumerate(parts)]
-        if not item or math.prod(map(len, choices)) + len(hosts) > _MAX_TASKS:
-            raise bad
-        hosts += ["".join(combo) for combo in itertools.product(*choices)]
-    return hosts
-
-
-def _expand_ranges(ranges: str, where: str) -> list[str]:
-    """`01-03,07` -> 01 02 03 07; zero padding follows the low end, as in SLURM."""
-    names: list[str] = []
-    for part in ranges.split(","):
-        match = re.fullmatch(r"([0-9]{1,9})(?:-([0-9]{1,9}))?", part)
-        low, high = (int(match[1]), int(match[2] or match[1])) if match else (1, 0)
-        if low > high or high - low + len(names) >= _MAX_TASKS:
-            raise TFConfigError(
-                f"Received: {where} with range {_show(ranges, 30)}. Write "
-                "ranges like [01-03,07] (low <= high, no steps)."
-            )
-        names += [str(n).zfill(len(match[1])) for n in range(low, high + 1)]
-    return names
-
-
-def _slurm_tasks_per_node(environ: Mapping[str, str], num_hosts: int) -> list[int]:
-    """`2(x3),1` -> [2, 2, 2, 1]: one task count per host."""
-    names = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
-    if not any(environ.get(name) for name in names):
-        logger.info("SLURM tasks per node unset; assuming 1 task on each of %d nodes.", num_hosts)
-        return [1] * num_hosts
-    name, text = _slurm_var(environ, *names)
-    counts: list[int] = []
-    for part in text.split(","):
-        match = re.fullmatch(r"([0-9]{1,5})(?:\(x([0-9]{1,6})\))?", part)
-        count, repeat = (int(match[1]), int(match[2] or 1)) if match else (0, 0)
-        if count < 1 or repeat < 1 or len(counts) + repeat > num_hosts:
-            counts = []  # reported below; num_hosts >= 1, so [] never matches it
-            break
-        counts += [count] * repeat
-    if len(counts) != num_hosts:
-        raise TFConfigError(
-            f"Received: {name}={_show(text)} for {num_hosts} nodes. Write it like "
-            "'2(x3),1', with one count >= 1 per node of the nodelist."
-        )
-    return counts
-
-
-def _parse_hostfile_line(line: str, where: str, port: int) -> tuple[str, int]:
-    """`host slots=N` -> (host, N); bare `host` -> (host, 1); comment or blank -> ('', 0)."""
-    fields = line.split("#", 1)[0].split()
-    slots = 1 if fields else 0
-    for option in fields[1:]:
-        match = re.fullmatch(r"slots=([0-9]{1,5})", option)
-        slots = int(match[1]) if match else 0
-        if not 1 <= slots <= 65536 - port:
-            raise TFConfigError(
-                f"Received: {_show(option)} at {where}. Write 'host slots=N', N >= 1, with "
-                f"port+N-1 <= 65535 (port={port})."
-            )
-    if fields:
-        _check_address(where, _join_host_port(fields[0], port))  # names the line, not the index
-    return (fields[0] if fields else ""), slots

@@ -1,6 +1,6 @@
 """Runs one task of `tfstrat launch` and takes every process it started down with it.
 
-The launcher starts it as `python -I -S _watch.py LIFELINE SPEC` (two file descriptors) and
+The launcher starts it as `python -I -S watch.py LIFELINE SPEC` (two file descriptors) and
 writes the task's command and environment as JSON to SPEC, so the only process whose
 `/proc/PID/environ` holds the task's TF_CONFIG, and whose command line is the task's, is the
 task itself (tests and tools find tasks that way). It imports only the standard library (not

@@ -2,7 +2,7 @@
 
 Each task at `host:P` listens on P (TensorFlow's gRPC server, all interfaces) and on P + offset
 (`TFSTRAT_PORT_OFFSET`, default 1): tfstrat's ring on a chief or worker, Hybrid's table server
-on a ps, bound to the task's own address towards its peers (`tfstrat._ports`). Where a task's
+on a ps, bound to the task's own address towards its peers (`tfstrat.cluster.ports`). Where a task's
 host is this machine the address is computed here; elsewhere it is described. The last lines
 list the ports to open between the job's hosts: a firewall rule or a Kubernetes Service per
 task declares exactly these.
@@ -13,11 +13,10 @@ from __future__ import annotations
 import functools
 import socket
 
-from tfstrat import _ports
 from tfstrat.cluster import TFConfig
+from tfstrat.cluster import ports as _ports
 
 _TF = "TensorFlow gRPC server"
-_WHAT = {"chief": "tfstrat ring", "worker": "tfstrat ring", "ps": "Hybrid's table server"}
 
 
 def explain(config: TFConfig) -> str:
@@ -64,7 +63,9 @@ def explain(config: TFConfig) -> str:
                 rank = trainers.index((f"{job}:{i}", address))
                 peers = [trainers[(rank + 1) % len(trainers)], trainers[rank - 1]]
                 peers = list(dict.fromkeys(peers))  # one peer twice on a two-worker ring
-            lines.append(f"  {port + offset}/tcp  {_WHAT[job]:<22}  {_bind_text(host, peers, job)}")
+            lines.append(
+                f"  {port + offset}/tcp  {_ports.LISTENERS[job]:<22}  {_bind_text(host, peers, job)}"
+            )
             ports.setdefault(host, []).extend([port, port + offset])
     lines += ["", "Open these ports between the job's hosts only (firewall, or Service ports):"]
     width = max(len(h) for h in ports) if ports else 0

@@ -1,0 +1,266 @@
+"""The one seam to TensorFlow's and Keras's internals (`tfstrat._compat`): the supported
+versions, the list of Keras patches and the way back, and the layout rules that keep every
+private import behind the seam and the packages free of import cycles."""
+
+import ast
+import json
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tfstrat._compat import patches, versions
+from tfstrat.errors import TfstratError, VersionError
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "tfstrat"
+PY = sys.executable
+
+pytestmark = pytest.mark.timeout(240)
+
+
+# --- versions ---------------------------------------------------------------------------------
+
+
+def test_supported_versions_pass_and_others_are_named():
+    assert versions.problems("2.21.0", "3.15.1") == []
+    assert versions.problems("2.21.3rc1", "3.15.0.dev2026") == []
+    assert versions.problems("2.22.0", "3.15.1") == [
+        "TensorFlow 2.22.0 (tfstrat supports tensorflow>=2.21,<2.22)"
+    ]
+    assert versions.problems("2.20.1", "3.14.0") == [
+        "TensorFlow 2.20.1 (tfstrat supports tensorflow>=2.21,<2.22)",
+        "Keras 3.14.0 (tfstrat supports keras>=3.15,<3.16)",
+    ]
+    assert versions.problems("nightly", "3.15.1") == [
+        "TensorFlow nightly (tfstrat supports tensorflow>=2.21,<2.22)"
+    ]
+
+
+def test_pyproject_pins_the_ranges_the_check_enforces():
+    text = (ROOT / "pyproject.toml").read_text()
+    deps = text.split("dependencies = [", 1)[1].split("]", 1)[0]
+    for pip, ((a, b), (c, d)) in (("tensorflow", versions.TENSORFLOW), ("keras", versions.KERAS)):
+        assert re.search(rf'"{pip}>={a}\.{b},<{c}\.{d}"', deps), (pip, deps)
+
+
+def _run(code: str, **env) -> subprocess.CompletedProcess:
+    import os
+
+    full = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **env}
+    full.pop(versions.ALLOW_ENV, None) if versions.ALLOW_ENV not in env else None
+    return subprocess.run(
+        [PY, "-c", textwrap.dedent(code)], env=full, capture_output=True, text=True, timeout=200
+    )
+
+
+UNSUPPORTED = """
+    import keras
+    keras.__version__ = "3.16.0"  # as a newer Keras would report itself
+    import tfstrat
+    try:
+        tfstrat.MirroredNCCL(devices=["/cpu:0"])
+        print("CREATED")
+    except tfstrat.TfstratError as e:
+        print("REFUSED", type(e).__name__, e)
+"""
+
+
+def test_a_strategy_refuses_an_unsupported_keras_naming_versions_and_the_fix():
+    proc = _run(UNSUPPORTED)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = proc.stdout.strip().splitlines()[-1]
+    assert line.startswith("REFUSED VersionError"), proc.stdout + proc.stderr[-2000:]
+    assert "Keras 3.16.0 (tfstrat supports keras>=3.15,<3.16)" in line, line
+    assert "pip install 'tensorflow>=2.21,<2.22' 'keras>=3.15,<3.16'" in line, line
+    assert "TFSTRAT_ALLOW_UNSUPPORTED=1" in line, line
+
+
+def test_allow_unsupported_warns_once_and_goes_on():
+    proc = _run(UNSUPPORTED, TFSTRAT_ALLOW_UNSUPPORTED="1")
+    assert proc.returncode == 0 and "CREATED" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    warned = [x for x in proc.stderr.splitlines() if "running on unsupported Keras 3.16.0" in x]
+    assert len(warned) == 1, proc.stderr[-3000:]
+
+
+def test_version_error_is_a_tfstrat_error():
+    assert issubclass(VersionError, TfstratError) and issubclass(VersionError, RuntimeError)
+
+
+# --- patches ----------------------------------------------------------------------------------
+
+
+def test_patch_lists_keeps_the_first_original_and_removes_own_and_inherited():
+    class Base:
+        def hello(self):
+            return "base"
+
+    class Child(Base):
+        def own(self):
+            return "own"
+
+    keras_own = Child.__dict__["own"]
+    try:
+        first = patches.patch(Child, "own", lambda self: "patched", "a test's reason")
+        assert first is keras_own and Child().own() == "patched"
+        again = patches.patch(Child, "own", lambda self: "twice", "a test's reason")
+        assert again is keras_own and patches.original(Child, "own") is keras_own
+        patches.patch(Child, "hello", lambda self: "child", "an inherited one")
+        assert Child().hello() == "child" and patches.is_patched(Child, "hello")
+        listed = [x for x in patches.installed() if ".Child." in x]
+        assert listed == [
+            f"{__name__}.test_patch_lists_keeps_the_first_original_and_removes_own_and_inherited"
+            ".<locals>.Child.own: a test's reason",
+            f"{__name__}.test_patch_lists_keeps_the_first_original_and_removes_own_and_inherited"
+            ".<locals>.Child.hello: an inherited one",
+        ]
+    finally:
+        patches.remove(Child, "own")
+        patches.remove(Child, "hello")
+    assert Child.__dict__["own"] is keras_own and "hello" not in Child.__dict__
+    assert Child().hello() == "base" and not patches.is_patched(Child, "own")
+
+
+FIT_THEN_REMOVE = """
+    import json
+    import numpy as np
+    import keras
+    import tfstrat
+    from tfstrat._compat import patches
+    from tfstrat._compat.keras import TensorFlowTrainer, CallbackList, EpochIterator
+
+    before = {
+        "make_function": TensorFlowTrainer.__dict__["_make_function"],
+        "callbacks": CallbackList.__dict__["__init__"],
+        "iterator": EpochIterator.__dict__["__init__"],
+        "save_model": keras.saving.save_model,
+    }
+    strategy = tfstrat.CollectiveAllReduce()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile("adam", "mse")
+    x = np.ones((8, 3), "float32")
+    model.fit(x, x[:, :1], epochs=1, batch_size=4, verbose=0)
+    installed = patches.installed()
+    patched = {
+        "make_function": TensorFlowTrainer.__dict__["_make_function"] is not before["make_function"],
+        "callbacks": CallbackList.__dict__["__init__"] is not before["callbacks"],
+    }
+    patches.remove_all()
+    after = {
+        "make_function": TensorFlowTrainer.__dict__["_make_function"] is before["make_function"],
+        "callbacks": CallbackList.__dict__["__init__"] is before["callbacks"],
+        "iterator": EpochIterator.__dict__["__init__"] is before["iterator"],
+        "save_model": keras.saving.save_model is before["save_model"],
+    }
+    print("REPORT " + json.dumps({"installed": installed, "patched": patched, "after": after,
+                                  "left": patches.installed()}))
+"""
+
+
+def test_a_fit_lists_every_keras_patch_with_its_reason_and_remove_all_restores_keras():
+    proc = _run(FIT_THEN_REMOVE)
+    line = [x for x in proc.stdout.splitlines() if x.startswith("REPORT ")]
+    assert proc.returncode == 0 and line, proc.stdout + proc.stderr[-3000:]
+    report = json.loads(line[0][7:])
+    installed = report["installed"]
+    for where in (
+        "keras.src.backend.tensorflow.trainer.TensorFlowTrainer._make_function",
+        "keras.src.backend.tensorflow.trainer.TensorFlowTrainer._maybe_symbolic_build",
+        "keras.src.callbacks.callback_list.CallbackList.__init__",
+        "keras.src.trainers.epoch_iterator.EpochIterator.__init__",
+        "keras.src.losses.loss.scale_loss_for_distribution",
+    ):
+        found = [x for x in installed if x.startswith(where + ": ")]
+        assert len(found) == 1 and len(found[0]) > len(where) + 10, (where, installed)
+    assert all(x.startswith("keras.") for x in installed), installed
+    assert all(report["patched"].values()), report
+    assert all(report["after"].values()) and report["left"] == [], report
+
+
+# --- layout: private imports behind the seam, no import cycles ---------------------------------
+
+
+def _imports(path: Path, module: str, modules=()):
+    """(imported module names, line) of a tfstrat source file, imports inside functions too;
+    `from package import submodule` imports the submodule, not the package's __init__."""
+    is_pkg = path.name == "__init__.py"
+    base = module if is_pkg else module.rsplit(".", 1)[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield a.name, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = base.split(".")
+                mod = ".".join(parts[: len(parts) - node.level + 1] + [node.module or ""]).strip(
+                    "."
+                )
+            else:
+                mod = node.module or ""
+            subs = [f"{mod}.{a.name}" for a in node.names if f"{mod}.{a.name}" in modules]
+            if len(subs) < len(node.names):
+                yield mod, node.lineno
+            for sub in subs:
+                yield sub, node.lineno
+
+
+def _modules():
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(ROOT).with_suffix("")
+        name = ".".join(rel.parts)
+        out[name.removesuffix(".__init__")] = path
+    return out
+
+
+def test_no_private_tensorflow_or_keras_import_outside_compat():
+    found = []
+    for module, path in _modules().items():
+        if module.startswith("tfstrat._compat"):
+            continue
+        for name, line in _imports(path, module):
+            if name.startswith(("tensorflow.python", "keras.src", "tf_keras.src")):
+                found.append(f"{path.relative_to(ROOT)}:{line} {name}")
+    assert found == [], found
+
+
+def test_the_modules_and_packages_import_each_other_without_cycles():
+    modules = _modules()
+    graph = {}
+    for module, path in modules.items():
+        deps = set()
+        for name, _ in _imports(path, module, modules):
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                deps.add(name)
+        graph[module] = deps
+    # A depth-first search for a back edge: a module reached again while still on the path.
+    state, path_ = {}, []
+
+    def visit(m):
+        state[m] = "open"
+        path_.append(m)
+        for d in sorted(graph[m]):
+            if state.get(d) == "open":
+                raise AssertionError(" -> ".join(path_[path_.index(d) :] + [d]))
+            if d not in state:
+                visit(d)
+        path_.pop()
+        state[m] = "done"
+
+    sys.setrecursionlimit(10000)
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+    def part(m):
+        return ".".join(m.split(".")[:2])
+
+    edges = {(part(a), part(b)) for a, ds in graph.items() for b in ds if part(a) != part(b)}
+    both = sorted(f"{a} <-> {b}" for a, b in edges if (b, a) in edges and a < b)
+    assert both == [], both
