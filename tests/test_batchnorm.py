@@ -1,21 +1,16 @@
 """BatchNormalization under every synchronous strategy, against one device; Hybrid's table lines.
 
-`tests/scripts/batchnorm_equiv.py` trains a model with two BatchNormalization layers on global
+`tests/workers/batchnorm_equiv.py` trains a model with two BatchNormalization layers on global
 batches whose halves differ (so unsynchronized replicas see different statistics), once with
 `synchronized=True`, once without, and once without for a single step; the chief then trains
 the same on one device. Under Hybrid the model's three tables cover the three placements.
 """
 
-import os
 import re
-import sys
 
 import numpy as np
 import pytest
-
-SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
-sys.path.insert(0, SCRIPTS)
-from cluster import launch_script, run_script  # noqa: E402
+from cluster import launch_script, run_script
 
 TOLERANCE = 1e-5
 STATS = [f"{bn}/{s}" for bn in ("bn1", "bn2") for s in ("moving_mean", "moving_variance")]

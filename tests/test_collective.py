@@ -1,21 +1,19 @@
 """CollectiveAllReduce: real worker processes started by `tfstrat launch`, against one device."""
 
-import os
 import sys
 
 import numpy as np
 import pytest
-
-pytestmark = pytest.mark.cluster
-SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
-sys.path.insert(0, SCRIPTS)
-from cluster import (  # noqa: E402
+from cluster import (
     RUN_TIMEOUT,
     assert_chief_wrote_and_workers_restored,
     launch_script,
     start_task,
 )
-from common import relative_errors  # noqa: E402
+from common import relative_errors
+from paths import WORKERS
+
+pytestmark = pytest.mark.cluster
 
 TOLERANCE = 1e-5
 
@@ -31,7 +29,7 @@ def _reference(out_dir, *args):
             "--reference",
             *args,
         ],
-        cwd=SCRIPTS,
+        cwd=WORKERS,
         capture_output=True,
         text=True,
         timeout=RUN_TIMEOUT,

@@ -12,7 +12,10 @@ import tfstrat
 from tfstrat.cluster.devices import runtime_initialized
 info = tfstrat.devices()
 assert not runtime_initialized(), "devices() started the runtime"
-assert info.cpu_count >= 1 and info.tpu is None and not info.gpus
+assert info.cpu_count >= 1 and info.tpu is None
+import tensorflow as tf
+assert len(info.gpus) == len(tf.config.list_physical_devices("GPU")), info  # whatever the host has
+assert not runtime_initialized(), "listing physical devices started the runtime"
 cfg = tfstrat.TFConfig.local(workers=1).for_task("worker", 0)
 os.environ.update(cfg.to_env())
 import tensorflow as tf
@@ -53,11 +56,11 @@ def test_split_cpu_rejects_bad_counts():
         tfstrat.split_cpu(0)
 
 
-def test_device_table_reports_no_gpu_here():
+def test_device_table_reports_the_cpus_and_the_nccl_rule():
     info = tfstrat.devices()
     text = info.table()
     assert any(line.split() == ["CPUs", str(info.cpu_count)] for line in text.splitlines())
-    assert info.to_dict()["nccl"] is False or len(info.gpus) >= 2
+    assert info.to_dict()["nccl"] is (info.cuda_build and len(info.gpus) >= 2)
 
 
 AUTO = """

@@ -17,15 +17,11 @@ where a Conv2D of 0 rows has the wrong shape (the case a replica with no rows mu
 
 import math
 import os
-import sys
 
 import pytest
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "keras_patterns"))
-
-from compare import TOLERANCE, compare, load  # noqa: E402
-from ecosystem import PATTERNS, PLAIN_SGD  # noqa: E402
-from table import run_strategy  # noqa: E402
+from compare import TOLERANCE, compare, load
+from ecosystem import PATTERNS, PLAIN_SGD
+from table import run_strategy
 
 pytestmark = [pytest.mark.ecosystem, pytest.mark.cluster, pytest.mark.slow]
 

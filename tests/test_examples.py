@@ -12,13 +12,12 @@ import subprocess
 import sys
 
 import pytest
+from cluster import RUN_TIMEOUT, launch_script
 
 import tfstrat
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
-sys.path.insert(0, os.path.join(ROOT, "tests", "scripts"))
-from cluster import RUN_TIMEOUT, launch_script  # noqa: E402
 
 EVERY = os.environ.get("TFSTRAT_EXAMPLES") == "all"  # scripts/examples
 

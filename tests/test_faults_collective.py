@@ -9,13 +9,12 @@ import sys
 import time
 
 import pytest
+from cluster import launch_script, start_task
+
+from tfstrat import TFConfig
 
 pytestmark = [pytest.mark.faults, pytest.mark.cluster]
-SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
-sys.path.insert(0, SCRIPTS)
-from cluster import launch_script, start_task  # noqa: E402
 
-from tfstrat import TFConfig  # noqa: E402
 
 TIMEOUT = 15  # the strategies' `timeout=` in these scripts
 START_UP = 60  # importing TensorFlow and tracing, on a loaded 2-core machine

@@ -1,7 +1,7 @@
 """Faults of `tfstrat launch` itself: restarts, exit codes, blame, and processes left behind.
 
 Real processes throughout: the launcher as a user runs it (`python -m tfstrat launch`) or its
-function, worker scripts from tests/scripts (faults_launch_*.py), TensorFlow clusters where
+function, worker scripts from tests/workers (faults_launch_*.py), TensorFlow clusters where
 the fault needs one.
 """
 
@@ -15,12 +15,12 @@ import threading
 import time
 
 import pytest
+from paths import WORKERS
 
 from tfstrat import LaunchConfig, launch
 
 pytestmark = pytest.mark.faults
 PY = sys.executable
-SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
 START_SLACK = 120  # imports and first traces of TensorFlow tasks on a loaded 2-core machine
 
 
@@ -60,10 +60,10 @@ class _Marking(_Timed):
 
 
 def _launch(*args, out=None, **config) -> tuple[int, str, _Timed, float]:
-    """`launch` of `python SCRIPT ARGS...` from tests/scripts; (code, output, lines, end time)."""
+    """`launch` of `python SCRIPT ARGS...` from tests/workers; (code, output, lines, end time)."""
     out = out or _Timed()
     cwd = os.getcwd()
-    os.chdir(SCRIPTS)  # the TensorFlow scripts import common.py from there
+    os.chdir(WORKERS)  # the TensorFlow scripts import common.py from there
     try:
         code = launch(LaunchConfig([PY, *args], **config), out)
     finally:
@@ -74,7 +74,7 @@ def _launch(*args, out=None, **config) -> tuple[int, str, _Timed, float]:
 def _cli(*args, env=None, timeout=120) -> subprocess.CompletedProcess:
     return subprocess.run(
         [PY, "-m", "tfstrat", "launch", *args],
-        cwd=SCRIPTS,
+        cwd=WORKERS,
         env={**os.environ, **(env or {})},
         capture_output=True,
         text=True,

@@ -4,18 +4,16 @@ cluster, bad input. Real ps and worker processes; every run has a hard time limi
 import json
 import os
 import signal
-import sys
 import time
 
 import pytest
+from cluster import launch_script, start_task
+
+from tfstrat import TFConfig
+from tfstrat.strategies.agreement import describe, digest, first_difference
 
 pytestmark = pytest.mark.faults
-SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
-sys.path.insert(0, SCRIPTS)
-from cluster import launch_script, start_task  # noqa: E402
 
-from tfstrat import TFConfig  # noqa: E402
-from tfstrat.strategies.agreement import describe, digest, first_difference  # noqa: E402
 
 TIMEOUT = 10  # the strategy's `timeout=` in these runs
 START_UP = 90  # importing TensorFlow, connecting and tracing, on a loaded 2-core machine

@@ -1,13 +1,13 @@
 """Nothing lost, exact resume: backups that survive a kill at any point, and a relaunch that
 ends bit-identical to an uninterrupted run.
 
-The cluster tests train three small models in one worker script (tests/scripts/
+The cluster tests train three small models in one worker script (tests/workers/
 faults_resume_run.py) under each strategy: each model once uninterrupted, once interrupted
 (an exception on every worker, a SIGTERM, or the chief SIGKILLed while it writes a backup),
 then a relaunch resumes the interrupted ones from their backups. Every variable of the model,
 of the optimizer and (Hybrid) of the ps-held tables' slots must equal the uninterrupted run's,
 bit for bit. The single-process parts (order of epochs, damaged backups, stale files) run in
-one subprocess (tests/scripts/faults_resume_local.py).
+one subprocess (tests/workers/faults_resume_local.py).
 """
 
 import json
@@ -17,10 +17,8 @@ import sys
 
 import numpy as np
 import pytest
-
-SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
-sys.path.insert(0, SCRIPTS)
-from cluster import RUN_TIMEOUT, launch_script  # noqa: E402
+from cluster import RUN_TIMEOUT, launch_script
+from paths import WORKERS
 
 pytestmark = pytest.mark.faults
 
@@ -33,7 +31,7 @@ def local(tmp_path_factory):
     out = tmp_path_factory.mktemp("resume_local")
     proc = subprocess.run(
         [sys.executable, "faults_resume_local.py", str(out)],
-        cwd=SCRIPTS,
+        cwd=WORKERS,
         capture_output=True,
         text=True,
         timeout=RUN_TIMEOUT,

@@ -224,7 +224,7 @@ def test_a_model_fitted_outside_the_scope_is_named_once_on_every_worker():
     # one worker on purpose (a reference on the chief) is fine.
     proc = _launch(
         "--workers", "2", "--threads-per-task", "1", "--timeout", "150", "--show", "all",
-        "--", PY, "tests/scripts/first_hour_mistakes.py", "no_scope",
+        "--", PY, "tests/workers/first_hour_mistakes.py", "no_scope",
     )  # fmt: skip
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
@@ -262,7 +262,7 @@ def test_a_strategy_created_after_tensorflow_ops_is_refused_naming_the_fix(mode,
     # It ended in TensorFlow's "Collective ops must be configured at program startup" alone.
     proc = _launch(
         "--workers", "2", "--threads-per-task", "1", "--timeout", "150", "--show", "all",
-        "--", PY, "tests/scripts/first_hour_mistakes.py", mode,
+        "--", PY, "tests/workers/first_hour_mistakes.py", mode,
     )  # fmt: skip
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out[-4000:]

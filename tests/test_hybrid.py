@@ -1,16 +1,11 @@
 """Hybrid: dense variables all-reduced, embedding tables on ps tasks; real processes."""
 
 import json
-import os
-import sys
 
 import numpy as np
 import pytest
-
-SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
-sys.path.insert(0, SCRIPTS)
-from cluster import launch_script, run_script  # noqa: E402
-from common import relative_errors  # noqa: E402
+from cluster import launch_script, run_script
+from common import relative_errors
 
 TOLERANCE = 1e-5
 STEPS = 40  # hybrid_equiv.py: 2 epochs of 20 global batches

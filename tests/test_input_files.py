@@ -1,6 +1,6 @@
 """Input read from files: each worker reads only its share of the files (`_files`).
 
-The cluster test launches 2 workers through `tfstrat launch` (tests/scripts/input_files_run.py)
+The cluster test launches 2 workers through `tfstrat launch` (tests/workers/input_files_run.py)
 on TFRecord files whose records carry unique ids. Each worker records the ids its input
 pipeline read and the ids its train steps trained on. By file (AUTO with 8 files, FILE, and
 OFF with a share the script picks), each worker reads exactly the records of files w, w+2, ...
@@ -17,13 +17,9 @@ what each policy chooses.
 
 import json
 import os
-import sys
 
 import pytest
-
-SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
-sys.path.insert(0, SCRIPTS)
-from cluster import launch_script  # noqa: E402
+from cluster import launch_script
 
 # prefix -> records per file; ids are consecutive from the prefix's base, file after file.
 LAYOUT = {

@@ -8,14 +8,10 @@ tf.distribute's included, and prints the table.
 """
 
 import os
-import sys
 
 import pytest
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "keras_patterns"))
-
-from compare import TOLERANCE, compare  # noqa: E402
-from table import run_strategy  # noqa: E402
+from compare import TOLERANCE, compare
+from table import run_strategy
 
 # keras.io's GAN (no call(), two optimizers of its own) and the other patterns that reach the
 # most machinery in one run each.

@@ -1,6 +1,6 @@
 """A strategy created twice per process; model.save on every worker.
 
-One CollectiveAllReduce cluster run (tests/scripts/reuse_save.py) checks both: three
+One CollectiveAllReduce cluster run (tests/workers/reuse_save.py) checks both: three
 `run_training()` calls per process (one worker 2 s late each time, the third over TensorFlow's
 collectives) each equal single-device training; the first strategy, still referenced, trains
 again exactly; another TF_CONFIG is refused naming both; then both workers save in a row
@@ -12,16 +12,13 @@ kind) gave worker 1 a BadZipFile (Bad CRC-32), an h5py lock error on save and on
 
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
+from cluster import launch_script, run_script
+from common import relative_errors
 
 pytestmark = pytest.mark.cluster
-SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
-sys.path.insert(0, SCRIPTS)
-from cluster import launch_script, run_script  # noqa: E402
-from common import relative_errors  # noqa: E402
 
 TOLERANCE = 1e-5
 

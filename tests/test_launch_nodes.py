@@ -21,13 +21,13 @@ import uuid
 
 import numpy as np
 import pytest
+from paths import WORKERS
 
 from tfstrat import TFConfig
 from tfstrat.cluster.layout import NodeLayout
 from tfstrat.commands import main as cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPTS = os.path.join(ROOT, "tests", "scripts")
 RECIPES = os.path.join(ROOT, "examples", "clusters")
 PY = sys.executable
 
@@ -326,7 +326,7 @@ def _start_nodes(tmp_path, layout_args, script_args, marker):
         procs.append(
             subprocess.Popen(
                 argv,
-                cwd=SCRIPTS,
+                cwd=WORKERS,
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,

@@ -1,21 +1,17 @@
 """LocalSGD and DiLoCo: real worker processes started by `tfstrat launch`.
 
-One launch runs every scenario of tests/scripts/localsgd_run.py in sequence (each under its
+One launch runs every scenario of tests/workers/localsgd_run.py in sequence (each under its
 own strategy: the process's cluster and TCP ring are reused), and one plain-Keras process
 computes the single-device reference and loads the chief's checkpoint without tfstrat.
 """
 
 import json
-import os
 import sys
 
 import numpy as np
 import pytest
-
-SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
-sys.path.insert(0, SCRIPTS)
-from cluster import RUN_TIMEOUT, launch_script, run_script  # noqa: E402
-from common import relative_errors  # noqa: E402
+from cluster import RUN_TIMEOUT, launch_script, run_script
+from common import relative_errors
 
 TOLERANCE = 1e-5
 

@@ -4,13 +4,12 @@ Each case runs in a fresh interpreter: the CPU must be split before TensorFlow's
 """
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
+from paths import WORKERS
 
-SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
 TOLERANCE = 1e-5
 
 
@@ -18,7 +17,7 @@ def _run(n, sparse_as_dense, tmp_path):
     out = tmp_path / "result.json"
     proc = subprocess.run(
         [sys.executable, "mirrored_equiv.py", str(n), sparse_as_dense, str(out)],
-        cwd=SCRIPTS,
+        cwd=WORKERS,
         capture_output=True,
         text=True,
         timeout=240,

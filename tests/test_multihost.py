@@ -1,5 +1,5 @@
 """Across "machines": one task per Linux network namespace, the namespaces joined by a bridge
-(tests/netns.py), each task started as a user would start it on its own host
+(tests/helpers/netns.py), each task started as a user would start it on its own host
 (`ip netns exec NS env TF_CONFIG=... python script.py`, `python -m tfstrat server` for a ps).
 
 Every case compares the workers' final weights with each other and with single-device
@@ -16,15 +16,13 @@ import subprocess
 import sys
 import time
 
+import netns
 import numpy as np
 import pytest
+from common import relative_errors
+from paths import WORKERS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPTS = os.path.join(HERE, "scripts")
-sys.path.insert(0, HERE)
-sys.path.insert(0, SCRIPTS)
-import netns  # noqa: E402
-from common import relative_errors  # noqa: E402
 
 pytestmark = [pytest.mark.multihost, pytest.mark.cluster]
 
@@ -56,7 +54,7 @@ def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("multihost_reference")
     proc = subprocess.run(
         [sys.executable, "multihost_train.py", str(out), "--reference"],
-        cwd=SCRIPTS,
+        cwd=WORKERS,
         capture_output=True,
         text=True,
         timeout=TASK_TIMEOUT,
@@ -90,7 +88,7 @@ def _train(net, out, model: str, workers, ps=(), *args) -> tuple[list[dict], str
             [sys.executable, "-m", "tfstrat", "server"],
             env=_env(cluster, "ps", j),
             name=f"ps:{j}",
-            cwd=SCRIPTS,
+            cwd=WORKERS,
         )
         for j in range(len(ps))
     ]
@@ -100,7 +98,7 @@ def _train(net, out, model: str, workers, ps=(), *args) -> tuple[list[dict], str
             [sys.executable, "multihost_train.py", str(out), "--model", model, *args],
             env=_env(cluster, "worker", i),
             name=f"worker:{i}",
-            cwd=SCRIPTS,
+            cwd=WORKERS,
         )
         for i in range(len(workers))
     ]
@@ -139,7 +137,7 @@ def _collective(net, reference, tmp_path, hosts: list[str], *args) -> str:
 
 
 def _probe(net, host: int, *args: str) -> str:
-    return net.run(host, [sys.executable, os.path.join(SCRIPTS, "multihost_probe.py"), *args])
+    return net.run(host, [sys.executable, os.path.join(WORKERS, "multihost_probe.py"), *args])
 
 
 @pytest.mark.timeout(60)
@@ -147,7 +145,7 @@ def test_the_network_is_what_the_cases_claim(net):
     """No TensorFlow: names, both address families, and ClusterIP semantics (declared ports
     forwarded, others not, the service address bindable nowhere)."""
     listener = net.start(1, [sys.executable, "multihost_probe.py", "listen", "2222", "2224"],
-                         name="listener", cwd=SCRIPTS)  # fmt: skip
+                         name="listener", cwd=WORKERS)  # fmt: skip
     try:
         deadline = time.monotonic() + 30
         while "listening" not in listener.output():
@@ -278,7 +276,7 @@ def test_multi_node_launcher_once_per_host(net, reference, tmp_path):
             ],
             env={"PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2"},
             name=f"launcher node {rank}",
-            cwd=SCRIPTS,
+            cwd=WORKERS,
         )  # fmt: skip
         for rank in range(2)
     ]
@@ -334,7 +332,7 @@ def test_input_by_file_each_host_reads_its_share(net, tmp_path):
             [sys.executable, "input_files_run.py", str(data), str(out)],
             env=_env(cluster, "worker", i),
             name=f"worker:{i}",
-            cwd=SCRIPTS,
+            cwd=WORKERS,
         )
         for i in range(files.WORKERS)
     ]

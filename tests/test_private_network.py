@@ -16,10 +16,11 @@ import time
 import uuid
 
 import pytest
+from paths import WORKERS
 
 from tfstrat import LaunchConfig, launch
 
-SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "nodes_train.py")
+SCRIPT = str(WORKERS / "nodes_train.py")
 PY = sys.executable
 
 

@@ -7,11 +7,8 @@ import time
 
 import numpy as np
 import pytest
-
-SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
-sys.path.insert(0, SCRIPTS)
-from cluster import RUN_TIMEOUT, launch_script, run_script, start_task  # noqa: E402
-from common import relative_errors  # noqa: E402
+from cluster import RUN_TIMEOUT, launch_script, run_script, start_task
+from common import relative_errors
 
 TOLERANCE = 1e-5
 STEPS = 40  # ps_equiv.py: 2 epochs of 20 global batches

@@ -12,15 +12,15 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from paths import WORKERS
 
 from tfstrat import LaunchConfig, launch
 from tfstrat.runtime import allocator as _runtime
 
 PY = sys.executable
-PROBE = str(Path(__file__).parent / "scripts" / "runtime_probe.py")
+PROBE = str(WORKERS / "runtime_probe.py")
 LOG_LINE = "tfstrat: TensorFlow's BFC CPU allocator"
 
 

@@ -1,19 +1,14 @@
 """tfstrat.keras.callbacks.Throughput: examples/s in History, on the bar, in TensorBoard.
 
-One process (tests/scripts/throughput_run.py) runs every case; its report is shared. Bytes per
+One process (tests/workers/throughput_run.py) runs every case; its report is shared. Bytes per
 step to the ps are checked by tests/test_examples.py (word_lm under Hybrid with a ps).
 """
 
 import json
-import os
 import re
-import sys
 
 import pytest
-
-SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
-sys.path.insert(0, SCRIPTS)
-from cluster import run_script  # noqa: E402
+from cluster import run_script
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Global batches the replicas cannot split evenly, exactly as on one device; global step logs.
 
-tests/scripts/uneven_equiv.py trains global batches 25, 30 and 31 (92 examples: partial last
+tests/workers/uneven_equiv.py trains global batches 25, 30 and 31 (92 examples: partial last
 batches of 17, 2 and 30 rows, so 3 and 4 replicas see empty slices) with SGD+momentum and with
 Adam + sample_weight + an L2 regularizer. Every strategy must end within 1e-5 (relative, per
 variable) of single-device training, and its per-step logs (loss, accuracy) must be the
@@ -14,17 +14,12 @@ ParameterServer(mode="sync") weighs each worker's gradient by its rows in the ch
 aggregate; its logs stay per worker, so only weights and step counts are compared.
 """
 
-import os
-import sys
-
 import numpy as np
 import pytest
+from cluster import launch_script, run_script
+from common import relative_errors
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
-SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
-sys.path.insert(0, SCRIPTS)
-from cluster import launch_script, run_script  # noqa: E402
-from common import relative_errors  # noqa: E402
 
 TOLERANCE = 1e-5
 BATCHES = (25, 30, 31)

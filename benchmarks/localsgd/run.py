@@ -11,7 +11,7 @@ and accuracy on 8,192 held-out images after the same number of examples, once pe
 (`--seeds`).
 
 Networks: loopback (`tfstrat launch` on 127.0.0.1), and one task per network namespace with
-each host's egress limited by `tc qdisc ... tbf rate 1gbit` (tests/netns.py; the machinery of
+each host's egress limited by `tc qdisc ... tbf rate 1gbit` (tests/helpers/netns.py; the machinery of
 benchmarks/multihost/run.py, reused). Run as root:
     .venv/bin/python benchmarks/localsgd/run.py --out bench-out/localsgd [--steps 20]
 Writes OUT/localsgd.md and OUT/localsgd.json.
@@ -28,7 +28,7 @@ import statistics
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "..", "tests"))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "tests", "helpers"))
 
 
 def _multihost():

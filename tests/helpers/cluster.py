@@ -1,4 +1,4 @@
-"""Running the worker scripts of this folder as real clusters, for the test modules."""
+"""Running the worker programs of tests/workers as real clusters, for the test modules."""
 
 from __future__ import annotations
 
@@ -7,18 +7,19 @@ import os
 import subprocess
 import sys
 
+from paths import WORKERS
+
 from tfstrat import LaunchConfig, TFConfig, launch
 
-SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 # The worker scripts use 60 s timeouts; a run is start-up, a few traces and ~100 steps.
 RUN_TIMEOUT = 400
 
 
 def launch_script(*args, workers: int = 2, ps: int = 0, env: dict | None = None) -> tuple[int, str]:
-    """`tfstrat launch` of `python SCRIPT ARGS...` in this folder; returns (exit code, output)."""
+    """`tfstrat launch` of `python SCRIPT ARGS...` in tests/workers; returns (exit code, output)."""
     out = io.StringIO()
     cwd = os.getcwd()
-    os.chdir(SCRIPTS)
+    os.chdir(WORKERS)
     try:
         code = launch(
             LaunchConfig(
@@ -37,10 +38,10 @@ def launch_script(*args, workers: int = 2, ps: int = 0, env: dict | None = None)
 
 
 def run_script(*args, timeout: float = RUN_TIMEOUT) -> str:
-    """Runs `python SCRIPT ARGS...` in this folder in one process; returns its output."""
+    """Runs `python SCRIPT ARGS...` in tests/workers in one process; returns its output."""
     proc = subprocess.run(
         [sys.executable, *args],
-        cwd=SCRIPTS,
+        cwd=WORKERS,
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -56,7 +57,7 @@ def start_task(config: TFConfig, task: str, index: int, *args) -> subprocess.Pop
     return subprocess.Popen(
         [sys.executable, *args],
         env=env,
-        cwd=SCRIPTS,
+        cwd=WORKERS,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

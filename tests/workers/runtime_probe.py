@@ -23,7 +23,9 @@ if mode != "bare":
     before = dict(os.environ)
     import tfstrat
 
-    extra["import_changed_env"] = sorted(k for k in os.environ if os.environ.get(k) != before.get(k))
+    extra["import_changed_env"] = sorted(
+        k for k in os.environ if os.environ.get(k) != before.get(k)
+    )
     extra["import_imported_tensorflow"] = "tensorflow" in sys.modules
 if mode == "late":
     import tensorflow as tf
