@@ -25,6 +25,7 @@ from typing import TextIO
 
 from tfstrat.cluster import TFConfig, TFConfigError
 from tfstrat.cluster import ports as _ports
+from tfstrat.commands import _args
 from tfstrat.strategies.choice import choose, describe
 
 # The TensorFlow releases tfstrat is built and tested against (pyproject.toml's range).
@@ -163,3 +164,27 @@ def run(out: TextIO | None = None, env: Mapping[str, str] | None = None, timeout
     out.write(f"tfstrat doctor: {failed} check(s) failed\n" if failed else "tfstrat doctor: ok\n")
     out.flush()
     return 1 if failed else 0
+
+
+def command(args) -> int:
+    from tfstrat.runtime.quiet import quiet_tensorflow_import
+
+    with quiet_tensorflow_import():  # TensorFlow's import prints C++ start-up lines
+        return run(timeout=args.timeout)
+
+
+def add_parser(sub) -> None:
+    """The `tfstrat doctor` subcommand, added to the parser `main` builds."""
+    p = sub.add_parser(
+        "doctor",
+        help="versions, devices, what tfstrat.auto() picks for $TF_CONFIG, this task's ports, "
+        "and whether its peers resolve and answer; exit 1 if a check fails",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=_args.env("doctor-timeout", 2.0, float),
+        metavar="SECONDS",
+        help="how long each peer gets to accept a TCP connection (default 2)",
+    )
+    p.set_defaults(run=command)
