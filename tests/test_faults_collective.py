@@ -98,7 +98,7 @@ def test_input_that_cannot_train_is_refused_and_empty_slices_train_exactly(tmp_p
     reference = json.loads((tmp_path / "reference.json").read_text())
     for i in range(2):
         r = json.loads((tmp_path / f"worker_{i}.json").read_text())
-        assert r["empty"].startswith("ValueError: Received: input with no batches"), r["empty"]
+        assert r["empty"].startswith("UsageError: Received: input with no batches"), r["empty"]
         # Batches of 1 row: every step, one worker's slice is empty; it trains as one device.
         for key, value in reference["tiny"].items():
             assert r["tiny"][key] == pytest.approx(value, rel=1e-5), (key, r, reference)

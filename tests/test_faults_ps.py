@@ -135,10 +135,10 @@ def test_a_batch_smaller_than_the_workers_and_empty_input_are_refused(tmp_path):
     for w in range(2):
         errors = json.loads((tmp_path / f"worker_{w}.json").read_text())
         for case in ("fit_batch_1", "fit_batch_1_again", "evaluate_batch_1"):
-            assert errors[case][0] == "ValueError" and batch in errors[case][1], errors
+            assert errors[case][0] == "UsageError" and batch in errors[case][1], errors
             assert "Use batch_size >= 2" in errors[case][1]
         for case in ("fit_empty", "predict_empty"):
-            assert errors[case][0] == "ValueError" and empty in errors[case][1], errors
+            assert errors[case][0] == "UsageError" and empty in errors[case][1], errors
         # Whole batches on every worker: one row is enough to predict.
         assert errors["fit_batch_8"] is None and errors["predict_one_row"] is None, errors
 

@@ -1,4 +1,4 @@
-"""Input read from files: each worker reads only its share of the files (`_files`).
+"""Input read from files: each worker reads only its share of the files (`_input_files`).
 
 The cluster test launches 2 workers through `tfstrat launch` (tests/workers/input_files_run.py)
 on TFRecord files whose records carry unique ids. Each worker records the ids its input
@@ -177,7 +177,7 @@ def test_find_files_follows_tensorflows_readers(folder):
     import numpy as np
     import tensorflow as tf
 
-    from tfstrat.strategies._files import find_files
+    from tfstrat.strategies._input_files import find_files
 
     even = sorted(os.path.join(folder, f"even-{k}.tfrecord") for k in range(8))
     pattern = os.path.join(folder, "even-*.tfrecord")
@@ -200,7 +200,7 @@ def test_find_files_follows_tensorflows_readers(folder):
 def test_choose_by_policy():
     import tensorflow as tf
 
-    from tfstrat.strategies._files import FileSource, choose
+    from tfstrat.strategies._input_files import FileSource, choose
 
     policy = tf.data.experimental.AutoShardPolicy
     eight, one, unknown = FileSource(8), FileSource(1), FileSource(None)

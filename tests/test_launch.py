@@ -12,15 +12,16 @@ import time
 import pytest
 
 from tfstrat import LaunchConfig, TFConfig, launch
+from tfstrat.launcher import api
 
 pytestmark = pytest.mark.cluster
 PY = sys.executable
 
 
-def _run(config, **kw):
+def _run(config):
     out = io.StringIO()
     start = time.monotonic()
-    code = launch(config, out, **kw)
+    code = launch(config, out)
     return code, out.getvalue(), time.monotonic() - start
 
 
@@ -128,7 +129,7 @@ def test_ps_tasks_are_started_and_stopped():
     assert _bindable(addr), f"ps:0 still holds {addr} after launch returned"
 
 
-def test_port_taken_before_binding_is_retried():
+def test_port_taken_before_binding_is_retried(monkeypatch):
     held = socket.socket()
     held.bind(("127.0.0.1", 0))
     taken = f"127.0.0.1:{held.getsockname()[1]}"
@@ -141,11 +142,10 @@ def test_port_taken_before_binding_is_retried():
             return TFConfig.from_hosts(worker=list(fresh.addresses("worker")), ps=[taken])
         return fresh
 
+    # The launcher's free ports, except that the first attempt's ps port is one held here.
+    monkeypatch.setattr(api, "_local_cluster", make_cluster)
     try:
-        code, out, _ = _run(
-            LaunchConfig([PY, "-c", WAIT_FOR_PS], workers=1, ps=1, timeout=120),
-            _make_cluster=make_cluster,
-        )
+        code, out, _ = _run(LaunchConfig([PY, "-c", WAIT_FOR_PS], workers=1, ps=1, timeout=120))
     finally:
         held.close()
     assert code == 0, out

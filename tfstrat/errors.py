@@ -33,6 +33,11 @@ class TFConfigError(TfstratError, ValueError):
     """
 
 
+class UsageError(TfstratError, ValueError):
+    """A function, strategy, layer or command of tfstrat was given a value it cannot use (the
+    message names the value and the fix)."""
+
+
 class AgreementError(TfstratError, ValueError):
     """Tasks of one cluster disagree on the cluster, the strategy's options or the model."""
 
@@ -64,6 +69,7 @@ class UnknownRows(TfstratError, ValueError):
 __all__ = [
     "TfstratError",
     "TFConfigError",
+    "UsageError",
     "AgreementError",
     "VersionError",
     "ListenError",

@@ -3,8 +3,9 @@
 Usage (under TF_CONFIG):
     python ps_faults.py OUT kill-ps TIMEOUT   worker 0 SIGKILLs ps:0 after 5 steps; every
                                               worker must then fail, naming the ps
-    python ps_faults.py OUT backup            sync, 2 of 3 gradients per step; the test holds
-                                              worker 2 back (TFSTRAT_TEST_HOLD_WORKER=2)
+    python ps_faults.py OUT backup            sync, 2 of 3 gradients per step; worker 2
+                                              pushes each gradient only after its step was
+                                              applied without it (so never in time)
 Writes OUT/<task>.json (iterations, dropped, loss) when training ends; in backup, worker 0
 also writes OUT/steps.npz: the weights before and after each step, and the gradient of each
 worker's rows at the weights before it, from a plain Keras copy of the model.
@@ -28,6 +29,27 @@ strategy = tfstrat.ParameterServer(
 
 import keras  # noqa: E402
 from common import build_model, compile_model, data, optimizer, ps_pid  # noqa: E402
+
+if scenario == "backup" and strategy.worker_index == 2:
+    # Held back: each push waits, in the step's graph, until that step was applied without it,
+    # so the test of backup workers does not depend on timing.
+    import tensorflow as tf
+
+    from tfstrat.ps.sync import poll_until
+
+    sync, push = strategy.sync, strategy.sync.push
+
+    def held_push(grads_and_vars, rows=None):
+        step = sync._step
+        wait = poll_until(
+            lambda: sync._applied_or_chief_done(step),
+            sync.timeout,
+            ["held worker 2: the step after", step, "was never applied"],
+        )
+        with tf.control_dependencies([wait]):  # every op of the push, its step read included
+            return push(grads_and_vars, rows)
+
+    sync.push = held_push
 
 
 class KillPsAtStep(keras.callbacks.Callback):

@@ -19,6 +19,8 @@ import statistics
 import sys
 import time
 
+from tfstrat.errors import UsageError
+
 
 def _serve_until_chief_exits():
     """A worker of stock ParameterServerStrategy: serve until the coordinator (chief) is gone."""
@@ -70,7 +72,7 @@ def _strategy(tf, name: str, devices: int):
         outer = "diloco" if kind == "diloco" else None
         if lr:  # "diloco-16-lr0.5"; a config, not a Keras optimizer: no TF op before this
             if kind != "diloco" or len(lr) != 1 or not lr[0].startswith("lr"):
-                raise ValueError(
+                raise UsageError(
                     f"Received: strategy={name!r}. Use diloco-N-lrX, e.g. diloco-16-lr0.5."
                 )
             sgd = {"learning_rate": float(lr[0][2:]), "momentum": 0.9, "nesterov": True}
@@ -92,7 +94,7 @@ def _strategy(tf, name: str, devices: int):
     if name in ("tfkeras-mwms", "keras3-mwms"):
         options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=120)
         return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
-    raise ValueError(f"Received: strategy={name!r}. Unknown benchmark strategy.")
+    raise UsageError(f"Received: strategy={name!r}. Unknown benchmark strategy.")
 
 
 def _sparse_model(keras, vocab: int, dim: int, seq: int, classes: int):

@@ -13,6 +13,8 @@ import logging
 import os
 from collections.abc import Sequence
 
+from tfstrat.errors import UsageError
+
 logger = logging.getLogger(__name__)
 
 
@@ -205,7 +207,7 @@ def split_cpu(n: int) -> list[str]:
     import tensorflow as tf
 
     if not isinstance(n, int) or n < 1:
-        raise ValueError(f"Received: n={n!r}. split_cpu needs a positive integer device count.")
+        raise UsageError(f"Received: n={n!r}. split_cpu needs a positive integer device count.")
     cpu = tf.config.list_physical_devices("CPU")[0]
     names = [f"/device:CPU:{i}" for i in range(n)]
     current = tf.config.get_logical_device_configuration(cpu)
@@ -238,7 +240,7 @@ def local_devices(devices: Sequence[str] | None = None) -> list[str]:
     if devices is not None:
         devices = list(devices)
         if not devices:
-            raise ValueError("Received: devices=[]. Pass None for every local device, or names.")
+            raise UsageError("Received: devices=[]. Pass None for every local device, or names.")
         return devices
     import tensorflow as tf
 

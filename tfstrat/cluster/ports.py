@@ -20,7 +20,7 @@ import os
 import socket
 from collections.abc import Sequence
 
-from tfstrat.errors import ListenError, TFConfigError
+from tfstrat.errors import ListenError, TFConfigError, UsageError
 
 PORT_OFFSET_ENV = "TFSTRAT_PORT_OFFSET"
 # What listens on each kind of task's tfstrat port (P + 1), for reports.
@@ -35,7 +35,7 @@ def offset() -> int:
     except ValueError:
         value = 0
     if not 1 <= value <= 1000:
-        raise ValueError(
+        raise UsageError(
             f"Received: {PORT_OFFSET_ENV}={text!r}. Use a whole number from 1 to 1000 (the "
             "distance from each task's TF_CONFIG port to its tfstrat port), the same on every task."
         )
@@ -58,7 +58,7 @@ def tfstrat_port(address: str) -> int:
     """The port of the tfstrat listener of the task at TF_CONFIG `address`."""
     port = split(address)[1] + offset()
     if port > 65535:
-        raise ValueError(
+        raise UsageError(
             f"Received: task address {address!r}. Its tfstrat port ({port}, the TF_CONFIG port "
             f"+ {offset()}) is above 65535; give the task a lower port."
         )

@@ -30,6 +30,7 @@ import logging
 import os
 
 from tfstrat._compat import patches
+from tfstrat.errors import UsageError
 from tfstrat.keras import _local
 from tfstrat.ps import rowmath as _rowmath
 
@@ -49,7 +50,7 @@ def enabled() -> bool:
 
 def check(mode) -> str:
     if mode not in MODES:
-        raise ValueError(
+        raise UsageError(
             f"Received: sparse_updates={mode!r}. Use 'lazy' (momentum, Adam and RMSprop update "
             "only the batch's rows and their slots) or 'exact' (Keras's dense update)."
         )

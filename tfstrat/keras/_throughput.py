@@ -34,6 +34,7 @@ import weakref
 import keras
 
 from tfstrat._compat import patches
+from tfstrat.errors import UsageError
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ def enabled() -> bool:
         return True
     if text in ("0", "false", "no", "off"):
         return False
-    raise ValueError(
+    raise UsageError(
         f"Received: {ENV}={os.environ[ENV]!r}. Use 1 to show examples/s in fit's logs, or 0 to "
         "leave tfstrat's Throughput callback out."
     )
@@ -88,7 +89,7 @@ class Throughput(keras.callbacks.Callback):
     def __init__(self, batch_size: int | None = None, ps_bytes: bool = True):
         super().__init__()
         if batch_size is not None and int(batch_size) < 1:
-            raise ValueError(
+            raise UsageError(
                 f"Received: batch_size={batch_size}. Give the global batch (rows per step, >= 1) "
                 "or None to take Keras's."
             )

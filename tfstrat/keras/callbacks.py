@@ -40,6 +40,7 @@ import uuid
 
 import keras
 
+from tfstrat.errors import UsageError
 from tfstrat.keras import _shuffle
 from tfstrat.keras._atomic import fsync_dir, publish, remove_stale, temporary, unlink
 from tfstrat.keras._throughput import Throughput  # noqa: F401  (re-exported)
@@ -158,13 +159,13 @@ def _backup_state(weights: str, metadata: str) -> dict:
     recorded = _read_json(metadata)
     if raw is None:  # written by keras.callbacks.BackupAndRestore: the metadata has the epoch
         if recorded is None or "epoch" not in recorded:
-            raise ValueError(f"no training state in it and none in {metadata}")
+            raise UsageError(f"no training state in it and none in {metadata}")
         return {"epoch": int(recorded["epoch"]), "batches_done": 0}
     state = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
     # Metadata of another save (the chief died between the two writes) has no say.
     if recorded and recorded.get("id") == state["id"]:
         if _sha256(weights) != recorded.get("sha256"):
-            raise ValueError(f"its checksum differs from the one recorded in {metadata}")
+            raise UsageError(f"its checksum differs from the one recorded in {metadata}")
     return state
 
 
@@ -259,7 +260,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
                 else "or use BackupAndRestore(double_checkpoint=True) to keep a previous backup "
                 "to fall back to"
             )
-            raise ValueError(
+            raise UsageError(
                 f"Received: a damaged backup in backup_dir={self.backup_dir!r}: "
                 f"{'; '.join(damaged)}. Remove the directory to train from the start {keep}."
             )

@@ -29,6 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfstrat._compat.keras import KerasSaveable
+from tfstrat.errors import UsageError
 from tfstrat.keras import _local
 
 
@@ -123,7 +124,7 @@ def _refuse_for_ps_table(layer, optimizer) -> None:
     given = {k: v for k, v in settings.items() if v}
     if given:
         k, v = next(iter(given.items()))
-        raise ValueError(
+        raise UsageError(
             f"Received: {type(optimizer).__name__}({k}={v!r}) with {name!r}, whose table Hybrid "
             f"keeps on the ps tasks, where {k} would not apply to it (the ps updates the rows "
             f"of each push as it comes). Drop {k}, or keep this table mirrored: "
@@ -131,7 +132,7 @@ def _refuse_for_ps_table(layer, optimizer) -> None:
         )
     decay = getattr(optimizer, "weight_decay", None)
     if decay and optimizer._use_weight_decay(layer._anchor):
-        raise ValueError(
+        raise UsageError(
             f"Received: {type(optimizer).__name__}(weight_decay={decay:g}) for "
             f"{name!r}, whose table Hybrid keeps on the ps tasks, where weight "
             "decay is not applied (it would move every row every step). Exclude the "
@@ -145,7 +146,7 @@ def _refuse_for_ps_table(layer, optimizer) -> None:
         "adagrad",
         None,
     ):
-        raise ValueError(
+        raise UsageError(
             f"Received: sparse_updates='exact' on {name!r}, whose table Hybrid "
             f"puts on the ps tasks, with {type(optimizer).__name__}: a ps updates "
             "only the batch's rows (lazily). Use sparse_updates='lazy', or keep "
@@ -298,7 +299,7 @@ class Embedding(keras.layers.Embedding):
             return super().load_own_variables(store)
         table = np.asarray(store["0"])
         if table.shape != (self.input_dim, self.output_dim):
-            raise ValueError(
+            raise UsageError(
                 f"Layer {self.name!r}: the saved table has shape {table.shape}, this layer "
                 f"{(self.input_dim, self.output_dim)}."
             )

@@ -39,6 +39,7 @@ from typing import TextIO
 from tfstrat.cluster import TFConfig
 from tfstrat.cluster import ports as _ports
 from tfstrat.cluster.layout import NodeLayout
+from tfstrat.errors import UsageError
 from tfstrat.launcher import tasks as _tasks
 from tfstrat.launcher.tasks import Failure, Task
 from tfstrat.runtime import allocator as _runtime
@@ -113,22 +114,22 @@ class LaunchConfig:
 
     def __post_init__(self):
         if not self.command:
-            raise ValueError("Received: command=[]. Give the program to run after `--`.")
+            raise UsageError("Received: command=[]. Give the program to run after `--`.")
         if self.workers < 1:
-            raise ValueError(f"Received: workers={self.workers}. A cluster needs >= 1 worker.")
+            raise UsageError(f"Received: workers={self.workers}. A cluster needs >= 1 worker.")
         if self.ps < 0:
-            raise ValueError(f"Received: ps={self.ps}. Use 0 or more ps tasks.")
+            raise UsageError(f"Received: ps={self.ps}. Use 0 or more ps tasks.")
         if self.threads_per_task is not None and self.threads_per_task < 0:
-            raise ValueError(
+            raise UsageError(
                 f"Received: threads_per_task={self.threads_per_task}. Use >= 1, 0 for "
                 "TensorFlow's defaults, or None for cores / (workers + chief)."
             )
         if self.timeout is not None and self.timeout <= 0:
-            raise ValueError(f"Received: timeout={self.timeout}. Use seconds > 0, or None.")
+            raise UsageError(f"Received: timeout={self.timeout}. Use seconds > 0, or None.")
         if self.restarts < 0:
-            raise ValueError(f"Received: restarts={self.restarts}. Use 0 or more restarts.")
+            raise UsageError(f"Received: restarts={self.restarts}. Use 0 or more restarts.")
         if self.grace < 0:
-            raise ValueError(f"Received: grace={self.grace}. Use seconds >= 0.")
+            raise UsageError(f"Received: grace={self.grace}. Use seconds >= 0.")
         if self.nodes is not None:
             self._check_nodes()
         self._check_show()
@@ -147,32 +148,32 @@ class LaunchConfig:
                     job, self.ps
                 )
             if not exists:
-                raise ValueError(
+                raise UsageError(
                     f"Received: show={self.show!r}, but the cluster has no {name}. Name tasks "
                     "it has, or use 'chief' or 'all'."
                 )
 
     def _check_nodes(self):
         if not isinstance(self.nodes, NodeLayout):
-            raise ValueError(
+            raise UsageError(
                 f"Received: nodes={self.nodes!r}. Give a tfstrat.launch.NodeLayout, e.g. "
                 "NodeLayout('host1,host2', rank=0, workers_per_node=2)."
             )
         if self.workers != 1 or self.ps or self.chief:
-            raise ValueError(
+            raise UsageError(
                 f"Received: workers={self.workers}, ps={self.ps}, chief={self.chief} with "
                 "nodes. A multi-node run takes its counts per node (--workers-per-node, "
                 "--ps-per-node); worker:0, on the first node, is the chief."
             )
         if self.restarts:
-            raise ValueError(
+            raise UsageError(
                 f"Received: restarts={self.restarts} with nodes. A multi-node run does not "
                 "restart: the nodes' launchers do not talk to each other, so they cannot restart "
                 "together. Restart the whole job instead (SLURM's --requeue, a Kubernetes "
                 "restartPolicy), with tfstrat.keras.callbacks.BackupAndRestore to resume."
             )
         if self.private_network:
-            raise ValueError(
+            raise UsageError(
                 "Received: private_network=True with nodes. A private network holds one "
                 "machine's tasks, which other nodes could not reach. Across machines, open only "
                 "the job's ports to the job's hosts (`tfstrat tf-config --nodes ... --explain`)."
@@ -186,7 +187,7 @@ def _show_names(show: str) -> list[str] | None:
         return None
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names or not all(_TASK_NAME.match(n) for n in names):
-        raise ValueError(
+        raise UsageError(
             f"Received: show={show!r}. Use 'chief' (the chief, else worker:0), 'all', or "
             "task names such as 'worker:1' or 'worker:0,ps:0'."
         )
@@ -498,12 +499,12 @@ def _no_restart_reason(failure: Failure, restarts_done: int, restarts: int) -> s
     return None
 
 
-def _attempts(config: LaunchConfig, out: TextIO, deadline: float | None, make_cluster) -> int:
+def _attempts(config: LaunchConfig, out: TextIO, deadline: float | None) -> int:
     """Runs attempts until one succeeds, times out, or fails without a restart left."""
     restart = port_retry = 0
     while True:
         start = restart + port_retry
-        outcome = _Attempt(config, make_cluster(config), out, restart, start).run(deadline)
+        outcome = _Attempt(config, _local_cluster(config), out, restart, start).run(deadline)
         if outcome.port_taken:
             if port_retry >= config.port_retries:
                 out.write("tfstrat launch: every retry found a port taken; giving up.\n")
@@ -568,14 +569,13 @@ def _raise_interrupted(signum, frame):
     raise _Interrupted(signum)
 
 
-def launch(config: LaunchConfig, out: TextIO | None = None, *, _make_cluster=None) -> int:
+def launch(config: LaunchConfig, out: TextIO | None = None) -> int:
     """Runs a cluster (on this machine, or this node's share of it) to completion; returns
     its exit code.
 
     Args:
         config: what to run.
         out: where prefixed task output goes (default: sys.stdout).
-        _make_cluster: a seam for tests: `LaunchConfig -> TFConfig`, called once per attempt.
 
     Returns:
         0 when every chief and worker task exits 0; the first failing task's exit code
@@ -607,7 +607,7 @@ def launch(config: LaunchConfig, out: TextIO | None = None, *, _make_cluster=Non
         if config.nodes is not None:
             _say_layout(config, out)
         _say_output(config, out)
-        return _attempts(config, out, deadline, _make_cluster or _local_cluster)
+        return _attempts(config, out, deadline)
     except KeyboardInterrupt as e:
         signum = e.signum if isinstance(e, _Interrupted) else signal.SIGINT
         out.write(f"tfstrat launch: {signal.Signals(signum).name} received; stopped all tasks.\n")

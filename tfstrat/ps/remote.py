@@ -30,6 +30,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
+from tfstrat.errors import UsageError
 from tfstrat.ps.tables import KINDS, SLOTS, rpc_address
 from tfstrat.ps.variables import ps_device
 
@@ -199,7 +200,7 @@ class RemoteTable:
         for name, value in slots.items():
             value = np.asarray(value, np.float32)
             if name not in SLOTS or value.shape != (self.rows, self.dim):
-                raise ValueError(
+                raise UsageError(
                     f"Table {self.name!r}: the saved slot {name!r} has shape {value.shape}; "
                     f"expected one of {list(SLOTS)} with shape {(self.rows, self.dim)}."
                 )
@@ -219,7 +220,7 @@ class RemoteTable:
     def _check(self, ids: np.ndarray) -> None:
         bad = ids[(ids < 0) | (ids >= self.rows)]
         if len(bad):
-            raise ValueError(
+            raise UsageError(
                 f"Table {self.name!r}: id {int(bad[0])} is outside its rows 0..{self.rows - 1}. "
                 "Embedding inputs must be in [0, input_dim)."
             )
@@ -318,7 +319,7 @@ def optimizer_hyper(optimizer) -> tf.Tensor:
     """The `tables.HYPER` numbers a push carries (the layout is in `tfstrat.ps.tables`)."""
     kind = optimizer_kind(optimizer)
     if kind is None:
-        raise ValueError(
+        raise UsageError(
             f"Received: optimizer {type(optimizer).__name__} for a table on ps tasks. Hybrid "
             "updates ps-held tables row by row with SGD (with or without momentum), Adagrad, "
             "Adam (not amsgrad) or RMSprop (not centered); use one of those, or keep the "

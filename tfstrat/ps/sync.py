@@ -29,17 +29,12 @@ naming the step and the workers that did not deliver; nothing blocks inside the 
 
 from __future__ import annotations
 
-import os
 import time
 
 import tensorflow as tf
 
 from tfstrat.ps import variables as psvars
-from tfstrat.reduce.sparse import dedup
-
-# Test hook: the worker with this index releases each push only after the step it belongs to
-# has been applied without it, so a test of backup workers does not depend on timing.
-HOLD_ENV = "TFSTRAT_TEST_HOLD_WORKER"
+from tfstrat.reduce.sparse import dedup, scale
 
 
 def _sleep(seconds: float):
@@ -77,14 +72,6 @@ def poll_until(ready, deadline_s: float, message: list, pause: float = 0.0):
     return tries
 
 
-def _scale(g, weight):
-    # multiply_no_nan: a worker whose slice of a partial last batch is empty has a 0/0 loss.
-    if isinstance(g, tf.IndexedSlices):
-        values = tf.math.multiply_no_nan(g.values, tf.cast(weight, g.values.dtype))
-        return tf.IndexedSlices(values, g.indices, g.dense_shape)
-    return tf.math.multiply_no_nan(g, tf.cast(weight, g.dtype))
-
-
 class SyncReplicas:
     """The shared state of synchronous training and the in-graph steps of its protocol."""
 
@@ -94,7 +81,6 @@ class SyncReplicas:
         self.is_chief = is_chief
         self.required = replicas_to_aggregate
         self.timeout = float(timeout)
-        self.hold = os.environ.get(HOLD_ENV) == str(worker) and not is_chief
         device = psvars.ps_device(0)
         n = num_workers
         make = lambda name, shape, value: strategy.extended.shared(  # noqa: E731
@@ -216,20 +202,10 @@ class SyncReplicas:
         """
         s, w = self._step, self.worker
         weight = tf.constant(1.0) if rows is None else tf.cast(rows, tf.float32)
-        waits = []
-        if self.hold:
-            waits.append(
-                poll_until(
-                    lambda: self._applied_or_chief_done(s),
-                    self.timeout,
-                    ["tfstrat test hold: the step after", s, "was never applied"],
-                )
-            )
-        with tf.control_dependencies(waits):
-            fresh = tf.equal(self.global_step.read_value(), s)
+        fresh = tf.equal(self.global_step.read_value(), s)
 
         def deliver():
-            writes = [op for g, v in grads_and_vars for op in self._write(v, _scale(g, weight))]
+            writes = [op for g, v in grads_and_vars for op in self._write(v, scale(g, weight))]
             writes.append(self.rows.scatter_update(tf.IndexedSlices(tf.reshape(weight, [1]), [w])))
             with tf.control_dependencies(writes):
                 mailed = self.mail_step.scatter_update(tf.IndexedSlices(tf.reshape(s, [1]), [w]))

@@ -45,6 +45,7 @@ import threading
 
 import numpy as np
 
+from tfstrat.errors import UsageError
 from tfstrat.ps import rowmath as _rowmath
 
 logger = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ class Table:
         ids = np.asarray(ids, np.int64).reshape(-1)
         bad = ids[(ids < 0) | (ids >= self.rows)]
         if len(bad):
-            raise ValueError(
+            raise UsageError(
                 f"id {int(bad[0])} is outside this table part's rows 0..{self.rows - 1}. "
                 "Embedding inputs must be in [0, input_dim)."
             )
@@ -110,7 +111,7 @@ class Table:
 
         if not self.applied.wait_for(ready, self.wait_s):
             missing = sorted(set(range(self.workers)) - set(self.pending))
-            raise ValueError(
+            raise UsageError(
                 f"tfstrat table: waited {self.wait_s:g} s for step {self.pending_step}'s "
                 f"pushes; replica(s) {missing} never pushed (of {self.workers}). A worker "
                 "failed or stopped early; its own output says why."
@@ -120,18 +121,18 @@ class Table:
         ids = self.check(ids)
         grads = np.asarray(grads, np.float32).reshape(-1, self.dim)
         if len(grads) != len(ids):
-            raise ValueError(f"a push of {len(ids)} ids carried {len(grads)} gradient rows")
+            raise UsageError(f"a push of {len(ids)} ids carried {len(grads)} gradient rows")
         step, replica = int(step), int(replica)
         with self.lock:
             if self.pending and step != self.pending_step:
-                raise ValueError(
+                raise UsageError(
                     f"tfstrat table: a push for step {step} while step "
                     f"{self.pending_step} has {len(self.pending)} of {self.workers} pushes. "
                     "Every worker must run the same steps (after a failed step, restart the ps "
                     "tasks with the workers, or restore a checkpoint: that clears them)."
                 )
             if replica in self.pending:
-                raise ValueError(
+                raise UsageError(
                     f"tfstrat table: replica {replica} pushed step {step} twice. Is the "
                     "Embedding layer called twice in one step? Call each layer once per step "
                     "(reuse its output), or keep the table mirrored: Hybrid(sparse=[...])."
@@ -164,7 +165,7 @@ class Table:
         kind, lr, beta_1, beta_2, epsilon, initial_accumulator, momentum, nesterov, rho = hyper[:9]
         one_minus_beta_1, one_minus_beta_2, one_minus_rho = hyper[9:]
         if not 0 <= int(kind) < len(KINDS):
-            raise ValueError(f"tfstrat table: unknown optimizer kind {kind}")
+            raise UsageError(f"tfstrat table: unknown optimizer kind {kind}")
         name = KINDS[int(kind)]
         fills = {"accumulator": float(initial_accumulator)}
         slots = {n: self.slot(n, fills.get(n, 0.0)) for n in _rowmath.SLOTS[name]}
@@ -235,7 +236,7 @@ class Registry:
         try:
             return self.tables[int(table)]
         except KeyError:
-            raise ValueError(f"tfstrat table {int(table)} does not exist on this ps") from None
+            raise UsageError(f"tfstrat table {int(table)} does not exist on this ps") from None
 
     def create(self, table, rows, dim, workers, init):
         with self.lock:
@@ -269,7 +270,7 @@ class Registry:
 
     def push(self, table, step, ids, grads, hyper, rows, replica=0):
         if np.size(hyper) != HYPER:
-            raise ValueError(
+            raise UsageError(
                 f"a push carried {np.size(hyper)} optimizer numbers; this ps expects {HYPER}. "
                 "Do the workers and the ps run the same tfstrat version?"
             )
@@ -301,7 +302,7 @@ class Registry:
         t = self.get(table)
         name = SLOTS[int(slot)]
         if name not in t.slots:
-            raise ValueError(f"tfstrat table {int(table)} has no slot {name!r}")
+            raise UsageError(f"tfstrat table {int(table)} has no slot {name!r}")
         with t.lock:
             t.wait_applied()
             return t.slots[name][int(lo) : int(hi)].reshape(-1).copy()

@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 from tfstrat.cluster import ports as _ports
-from tfstrat.errors import TableServerError
+from tfstrat.errors import TableServerError, UsageError
 
 logger = logging.getLogger(__name__)
 _LENGTH = struct.Struct("<I")
@@ -54,13 +54,13 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
 def _recv(sock: socket.socket) -> tuple[dict, list[np.ndarray]]:
     (length,) = _LENGTH.unpack(_recv_exact(sock, _LENGTH.size))
     if length > _MAX_HEADER:
-        raise ValueError(f"a frame header of {length} bytes: not a tfstrat table call")
+        raise UsageError(f"a frame header of {length} bytes: not a tfstrat table call")
     header = json.loads(bytes(_recv_exact(sock, length)))
     arrays = []
     for dtype, shape in header.pop("arrays"):
         dtype = np.dtype(dtype)
         if dtype.hasobject:
-            raise ValueError(f"dtype {dtype} cannot cross the wire")
+            raise UsageError(f"dtype {dtype} cannot cross the wire")
         n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         arrays.append(np.frombuffer(_recv_exact(sock, n), dtype).reshape(shape))
     return header, arrays
@@ -105,7 +105,7 @@ class Server:
                 method = header.get("method", "")
                 try:
                     if method not in self.handler.METHODS:
-                        raise ValueError(f"no method {method!r}")
+                        raise UsageError(f"no method {method!r}")
                     fn = getattr(self.handler, method)
                     out = fn(*arrays)
                     out = out if isinstance(out, (list, tuple)) else [out]

@@ -13,10 +13,22 @@ import threading
 
 import tensorflow as tf
 
+from tfstrat.errors import UsageError
+
 logger = logging.getLogger(__name__)
 
 #: `sparse_as_dense="auto"`: densify when the gathered rows could cover this share of the table.
 AUTO_DENSITY = 0.5
+
+
+def scale(g, s):
+    """`g * s` for a dense gradient or an IndexedSlices, and 0 where `s` is 0 even if `g` is
+    NaN or inf (multiply_no_nan): a replica or worker with no rows has a 0/0 loss, and its
+    gradient must count as 0."""
+    if isinstance(g, tf.IndexedSlices):
+        values = tf.math.multiply_no_nan(g.values, tf.cast(s, g.values.dtype))
+        return tf.IndexedSlices(values, g.indices, g.dense_shape)
+    return tf.math.multiply_no_nan(g, tf.cast(s, g.dtype))
 
 
 def dedup(slices: tf.IndexedSlices) -> tf.IndexedSlices:
@@ -111,7 +123,7 @@ class DensityPolicy:
         elif isinstance(sparse_as_dense, (int, float)) and 0 < sparse_as_dense <= 1:
             self.threshold = float(sparse_as_dense)
         else:
-            raise ValueError(
+            raise UsageError(
                 f"Received: sparse_as_dense={sparse_as_dense!r}. Use 'auto', True, False, or a "
                 "fraction of table rows in (0, 1] above which sparse gradients are densified."
             )

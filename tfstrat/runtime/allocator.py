@@ -28,6 +28,7 @@ import os
 import sys
 from collections.abc import Mapping
 
+from tfstrat.errors import UsageError
 from tfstrat.runtime import quiet
 
 logger = logging.getLogger("tfstrat")
@@ -49,7 +50,7 @@ def _choice(env: Mapping[str, str]) -> str:
         return "default"
     if value in _ON:
         return "bfc"
-    raise ValueError(
+    raise UsageError(
         f"Received: {SWITCH}={env.get(SWITCH)!r}. Use 'bfc' (TensorFlow's BFC CPU allocator, "
         "tfstrat's default) or 'default' (TensorFlow's own choice)."
     )

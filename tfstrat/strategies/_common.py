@@ -8,6 +8,8 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from tfstrat import runtime
+from tfstrat.errors import UsageError
+from tfstrat.reduce import sparse
 from tfstrat.strategies import _compute, _exact_step
 
 _Impl = tf.distribute.experimental.CommunicationImplementation
@@ -30,13 +32,13 @@ def communication_implementation(communication: str, devices: Sequence[str]) -> 
         return _Impl.RING
     if communication == "nccl":
         if not nccl_ok:
-            raise ValueError(
+            raise UsageError(
                 f"Received: communication='nccl' with devices {list(devices)} on a host with "
                 f"{len(physical)} GPU(s){'' if cuda else ' and a TensorFlow build without CUDA'}."
                 " NCCL needs two or more physical GPUs; use communication='auto' or 'ring'."
             )
         return _Impl.NCCL
-    raise ValueError(f"Received: communication={communication!r}. Use 'auto', 'nccl' or 'ring'.")
+    raise UsageError(f"Received: communication={communication!r}. Use 'auto', 'nccl' or 'ring'.")
 
 
 # --- Clipping the aggregated gradient --------------------------------------------------------
@@ -44,12 +46,6 @@ def communication_implementation(communication: str, devices: Sequence[str]) -> 
 # under a strategy each replica's share is clipped, not the sum. tfstrat takes the clipping
 # over for optimizers created in its scope: the optimizer's own clipping becomes a no-op and
 # the same clipping runs on the all-reduced gradient.
-
-
-def _scale(g, s):
-    if isinstance(g, tf.IndexedSlices):
-        return tf.IndexedSlices(g.values * tf.cast(s, g.values.dtype), g.indices, g.dense_shape)
-    return g * tf.cast(s, g.dtype)
 
 
 def _square_norm(g):
@@ -63,14 +59,14 @@ def clip_aggregated(optimizer, grads):
     if optimizer.clipnorm and optimizer.clipnorm > 0:
         c = optimizer.clipnorm
         return [
-            g if g is None else _scale(g, c / tf.maximum(tf.sqrt(_square_norm(g)), c))
+            g if g is None else sparse.scale(g, c / tf.maximum(tf.sqrt(_square_norm(g)), c))
             for g in grads
         ]
     if optimizer.global_clipnorm and optimizer.global_clipnorm > 0:
         c = optimizer.global_clipnorm
         norm = tf.sqrt(tf.add_n([_square_norm(g) for g in grads if g is not None]))
         scale = c / tf.maximum(norm, c) + (norm - norm)  # NaN/inf norm -> NaN, as Keras does
-        return [g if g is None else _scale(g, scale) for g in grads]
+        return [g if g is None else sparse.scale(g, scale) for g in grads]
     if optimizer.clipvalue and optimizer.clipvalue > 0:
         v = optimizer.clipvalue
 
@@ -129,9 +125,9 @@ class AdoptsKerasOptimizers:
             if isinstance(inner, Optimizer):
                 fn = _exact_step.replica_step(model, fn)
         if getattr(fn, "__name__", "") == "train_step" and model is not None:
-            from tfstrat.strategies import _stats  # BatchNormalization's moving statistics
+            from tfstrat.strategies import _batchnorm  # BatchNormalization's moving statistics
 
-            fn = _stats.averaging(self, fn, model)
+            fn = _batchnorm.averaging(self, fn, model)
         predict = _compute.keras_predict_model(fn)
         if predict is not None or (
             getattr(fn, "__name__", "") == "test_step" and model is not None
@@ -184,7 +180,7 @@ _EMPTY = (
 def check_not_empty(dataset) -> None:
     """Refuses a dataset known to have no batches (cardinality 0) at once."""
     if tf.executing_eagerly() and int(dataset.cardinality().numpy()) == 0:
-        raise ValueError(_EMPTY)
+        raise UsageError(_EMPTY)
 
 
 def name_empty_input(distributed):
@@ -217,7 +213,7 @@ def _named_iterator_class(cls: type) -> type:
             except StopIteration:
                 if getattr(self, "_tfstrat_seen", False):
                     raise
-                raise ValueError(_EMPTY) from None
+                raise UsageError(_EMPTY) from None
             self._tfstrat_seen = True
             return element
 

@@ -166,14 +166,6 @@ def _logs(model, folded, states):
     return pythonify_logs(logs)
 
 
-def _scale(g, s):
-    # multiply_no_nan: a replica with no rows has a 0/0 loss; its gradient must count as 0.
-    if isinstance(g, tf.IndexedSlices):
-        values = tf.math.multiply_no_nan(g.values, tf.cast(s, g.values.dtype))
-        return tf.IndexedSlices(values, g.indices, g.dense_shape)
-    return tf.math.multiply_no_nan(g, tf.cast(s, g.dtype))
-
-
 def _extras_dtype(grads):
     """The dense gradients' dtype when it holds counts exactly enough, so that the extras
     pack with them (the TCP ring carries one dtype); else float32 (TF's collectives)."""
@@ -225,7 +217,7 @@ def step_reduce(reduce_sum, stop, replicas: int):
         dtype = _extras_dtype(grads)
         parts = [stop.flags(dtype)] if stop is not None else []
         if rows is not None:
-            grads = [_scale(g, rows * replicas) for g in grads]
+            grads = [sparse.scale(g, rows * replicas) for g in grads]
             parts.append(tf.reshape(tf.cast(rows, dtype), [1]))
         marks = _keep_lazy_sparse([(g, pairs[i][1]) for i, g in zip(have, grads)])
         variables = [v for m in metrics for v in m.variables]
@@ -240,7 +232,7 @@ def step_reduce(reduce_sum, stop, replicas: int):
             at = 2
         grads = reduced[:-1]
         if rows is not None:
-            grads = [_scale(g, 1.0 / extras[at]) for g in grads]
+            grads = [sparse.scale(g, 1.0 / extras[at]) for g in grads]
             at += 1
         states = []
         for v in variables:

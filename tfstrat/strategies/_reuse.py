@@ -22,6 +22,7 @@ import dataclasses
 import logging
 
 from tfstrat.cluster import TFConfig
+from tfstrat.errors import UsageError
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def enter(strategy, tf_config: TFConfig | None) -> bool:
     if _cluster is None:
         _cluster = _Cluster(tf_config)
     elif _cluster.tf_config != tf_config:
-        raise ValueError(
+        raise UsageError(
             f"Received: {_describe(tf_config)} for a new {type(strategy).__name__}, but this "
             f"process already runs TensorFlow's server for {_describe(_cluster.tf_config)} "
             "(from an earlier strategy). TensorFlow has one server per process: create every "

@@ -24,9 +24,10 @@ from tfstrat._compat.tf import context, cross_device_utils, distribute_lib, inpu
 from tfstrat._compat.tf import values as _values
 from tfstrat.cluster import TFConfig
 from tfstrat.cluster import ports as _ports
+from tfstrat.errors import UsageError
 from tfstrat.keras import _fit_scope
 from tfstrat.reduce import ring
-from tfstrat.reduce.collective import SparseAwareAllReduce
+from tfstrat.reduce.cross_device import SparseAwareAllReduce
 from tfstrat.reduce.sparse import DensityPolicy
 from tfstrat.strategies import _common, _reuse, _startup, _stopping
 from tfstrat.strategies import agreement as _agreement
@@ -50,7 +51,7 @@ def _in_nested_control_flow() -> bool:
     return False
 
 
-class _Launcher(cross_device_utils.CollectiveReplicaLauncher):
+class _CollectiveLauncher(cross_device_utils.CollectiveReplicaLauncher):
     """Instance keys from a counter variable inside nested control flow.
 
     Keras runs `steps_per_execution > 1` steps in a while loop; there the call-time instance
@@ -77,7 +78,7 @@ class _Extended(_cars.CollectiveAllReduceExtended):
         counter = tf.Variable(1 << 30, dtype=tf.int32, trainable=False, name="collective_key")
         for ops in (self._cross_device_ops, self._host_cross_device_ops):
             for launcher in ops._launchers:  # our own objects: specialised, TF is not patched
-                launcher.__class__, launcher.counter = _Launcher, counter
+                launcher.__class__, launcher.counter = _CollectiveLauncher, counter
 
     def _initialize_local_devices(self, cluster_resolver, worker_device):
         if not self._local_device_count:
@@ -106,12 +107,12 @@ class _Extended(_cars.CollectiveAllReduceExtended):
         Every worker sees the same number of batches, so no per-step cross-worker check for
         exhausted input is needed. Keras batches with the global batch size; the slices keep
         single-device order. Falls back to TensorFlow's sharding where slicing cannot apply.
-        A dataset read from files is sharded by file instead (`_files`: each worker reads
+        A dataset read from files is sharded by file instead (`_input_files`: each worker reads
         only its share of the files), unless it asks for AutoShardPolicy.DATA.
         """
-        from tfstrat.strategies import _files
+        from tfstrat.strategies import _input_files
 
-        by_file = _files.distribute(self, dataset, options)
+        by_file = _input_files.distribute(self, dataset, options)
         if by_file is not None:
             return by_file
         workers = self._num_workers
@@ -249,7 +250,7 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
         tf_config = tf_config if tf_config is not None else _env_config()
         resolver = tf_config.resolver() if tf_config else None
         if tf_config is not None and tf_config.addresses("ps"):
-            raise ValueError(
+            raise UsageError(
                 f"Received: a TF_CONFIG with ps tasks {list(tf_config.addresses('ps'))}. "
                 "CollectiveAllReduce uses workers only; drop the ps tasks or use "
                 "tfstrat.ParameterServer / tfstrat.Hybrid."
@@ -483,13 +484,13 @@ def _use_tcp(communication: str, count: int | None, tf_config: TFConfig | None) 
     local = count or _num_gpus() or 1  # devices=None: every GPU, else one CPU
     if communication == "tcp":
         if local > 1:
-            raise ValueError(
+            raise UsageError(
                 f"Received: communication='tcp' with {local} devices per worker. The TCP ring "
                 "carries one device per worker; use communication='auto', 'ring' or 'nccl'."
             )
         return workers > 1
     if communication not in ("auto", "ring", "nccl"):
-        raise ValueError(
+        raise UsageError(
             f"Received: communication={communication!r}. Use 'auto', 'tcp', 'ring' or 'nccl'."
         )
     return communication == "auto" and workers > 1 and local == 1 and not _num_gpus()
@@ -499,7 +500,7 @@ def _check_cpu_split(count: int):
     cpu = tf.config.list_physical_devices("CPU")[0]
     have = len(tf.config.get_logical_device_configuration(cpu) or [None])
     if have < count:
-        raise ValueError(
+        raise UsageError(
             f"Received: devices={count} with the CPU split into {have} logical device(s). "
             f"Call tfstrat.split_cpu({count}) before creating the strategy."
         )

@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from tfstrat.cluster import TFConfig
 from tfstrat.cluster import ports as _ports
+from tfstrat.errors import UsageError
 from tfstrat.strategies.collective import DEFAULT_TIMEOUT, CollectiveAllReduce, _env_config
 
 logger = logging.getLogger(__name__)
@@ -68,9 +69,9 @@ class Hybrid(CollectiveAllReduce):
 
             serve_until_workers_exit(tf_config)  # does not return
         if sparse != "auto" and not isinstance(sparse, (list, tuple)):
-            raise ValueError(f"Received: sparse={sparse!r}. Use 'auto' or a list of name patterns.")
+            raise UsageError(f"Received: sparse={sparse!r}. Use 'auto' or a list of name patterns.")
         if partitions != "auto" and not (isinstance(partitions, int) and partitions >= 1):
-            raise ValueError(f"Received: partitions={partitions!r}. Use 'auto' or an integer >= 1.")
+            raise UsageError(f"Received: partitions={partitions!r}. Use 'auto' or an integer >= 1.")
         super().__init__(
             _without_ps(tf_config) if ps else tf_config,
             devices=devices,
@@ -123,7 +124,7 @@ class Hybrid(CollectiveAllReduce):
         if layer.embeddings_regularizer is not None:
             # The worker holds no copy of a ps-held table, so a regularizer over every row
             # cannot be computed there; dropping it silently would train another model.
-            raise ValueError(
+            raise UsageError(
                 f"Received: embeddings_regularizer={layer.embeddings_regularizer!r} on "
                 f"{layer.name!r}, whose table Hybrid puts on the ps tasks, where a regularizer "
                 "of every row is not applied. Drop the regularizer, or keep this table "
@@ -216,7 +217,7 @@ class Hybrid(CollectiveAllReduce):
         from tfstrat.ps.remote import optimizer_hyper
 
         if self._optimizer is None:
-            raise ValueError("tfstrat Hybrid: a table was trained outside `model.fit`.")
+            raise UsageError("tfstrat Hybrid: a table was trained outside `model.fit`.")
         return optimizer_hyper(self._optimizer)
 
     def placement(self) -> dict[str, list[str]]:

@@ -40,7 +40,9 @@ import tensorflow as tf
 
 from tfstrat._compat import patches
 from tfstrat.cluster import TFConfig
-from tfstrat.strategies import _common, _compute, _exact_step, _stats
+from tfstrat.errors import UsageError
+from tfstrat.reduce import sparse
+from tfstrat.strategies import _batchnorm, _common, _compute, _exact_step
 from tfstrat.strategies.collective import DEFAULT_TIMEOUT, CollectiveAllReduce
 
 logger = logging.getLogger(__name__)
@@ -53,18 +55,18 @@ DILOCO = {"learning_rate": 0.7, "momentum": 0.9, "nesterov": True}
 def _check_arguments(sync_every, outer_optimizer, sync_slots, timeout):
     """Errors that name the value and the fix, raised before any TensorFlow op runs."""
     if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
-        raise ValueError(
+        raise UsageError(
             f"Received: sync_every={sync_every!r}. LocalSGD averages the workers' weights every "
             "`sync_every` optimizer steps: use an integer >= 1 (1 is synchronous SGD; DiLoCo "
             "uses tens to hundreds)."
         )
     if not isinstance(sync_slots, bool):
-        raise ValueError(f"Received: sync_slots={sync_slots!r}. Use True or False.")
+        raise UsageError(f"Received: sync_slots={sync_slots!r}. Use True or False.")
     if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
-        raise ValueError(f"Received: timeout={timeout!r}. Use a number of seconds > 0.")
+        raise UsageError(f"Received: timeout={timeout!r}. Use a number of seconds > 0.")
     if outer_optimizer is None or isinstance(outer_optimizer, (str, dict)):
         if isinstance(outer_optimizer, str) and outer_optimizer != "diloco":
-            raise ValueError(
+            raise UsageError(
                 f"Received: outer_optimizer={outer_optimizer!r}. Use None (plain averaging), "
                 "'diloco' (SGD(0.7, momentum=0.9, nesterov=True)), a Keras optimizer, or its "
                 "`keras.optimizers.serialize(...)` dict."
@@ -75,7 +77,7 @@ def _check_arguments(sync_every, outer_optimizer, sync_slots, timeout):
     if not isinstance(outer_optimizer, keras.optimizers.Optimizer) or isinstance(
         outer_optimizer, keras.optimizers.LossScaleOptimizer
     ):
-        raise ValueError(
+        raise UsageError(
             f"Received: outer_optimizer={outer_optimizer!r} (a {type(outer_optimizer).__name__})"
             ". The outer optimizer must be a Keras optimizer, e.g. "
             "keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True) (DiLoCo's), or 'diloco', "
@@ -90,7 +92,7 @@ def _check_arguments(sync_every, outer_optimizer, sync_slots, timeout):
         ("clipvalue", outer_optimizer.clipvalue),
     ):
         if value:
-            raise ValueError(
+            raise UsageError(
                 f"Received: an outer optimizer with {name}={value!r}. LocalSGD applies the "
                 "outer optimizer's update rule to the pseudo-gradient only; create it without "
                 f"{name} (set it on the inner optimizer, the one given to compile)."
@@ -105,7 +107,7 @@ def _outer_config(outer_optimizer):
         return {"class_name": "SGD", "config": dict(DILOCO)}
     if isinstance(outer_optimizer, dict):
         if "class_name" not in outer_optimizer:
-            raise ValueError(
+            raise UsageError(
                 f"Received: outer_optimizer={outer_optimizer!r}. A dict must be "
                 "`keras.optimizers.serialize(optimizer)`'s (with 'class_name' and 'config')."
             )
@@ -228,7 +230,7 @@ class LocalSGD(CollectiveAllReduce):
         except RuntimeError as e:
             if outer is None or "_object" not in outer or "at program startup" not in str(e):
                 raise
-            raise ValueError(
+            raise UsageError(
                 f"Received: outer_optimizer={outer_optimizer!r}, a Keras optimizer created "
                 "before the strategy. Creating it ran TensorFlow ops, and a multi-worker "
                 "strategy must come first in the program (TensorFlow: 'Collective ops must "
@@ -238,7 +240,7 @@ class LocalSGD(CollectiveAllReduce):
                 "keras.optimizers.serialize returns)."
             ) from e
         if len(self.extended.worker_devices) > 1:
-            raise ValueError(
+            raise UsageError(
                 f"Received: {len(self.extended.worker_devices)} devices on this worker "
                 f"({list(self.extended.worker_devices)}). LocalSGD trains one device per "
                 "worker; make one device visible to each worker process (e.g. "
@@ -318,7 +320,7 @@ class LocalSGD(CollectiveAllReduce):
         if getattr(fn, "__name__", "") != "train_step" or not isinstance(inner, Optimizer):
             return super().run(fn, args=args, kwargs=kwargs, options=options)
         if isinstance(inner, LossScaleOptimizer):
-            raise ValueError(
+            raise UsageError(
                 "Received: a LossScaleOptimizer. LocalSGD does not support loss scaling yet; "
                 "train in float32 or use tfstrat.CollectiveAllReduce."
             )
@@ -354,7 +356,7 @@ class LocalSGD(CollectiveAllReduce):
         def reduce_locally(grads_and_vars):
             pairs = list(grads_and_vars)
             scale = replicas if _exact_step._step.scaled else 1
-            grads = [None if g is None else _common._scale(g, scale) for g, _ in pairs]
+            grads = [None if g is None else sparse.scale(g, scale) for g, _ in pairs]
             grads = _common.clip_aggregated(inner, grads)
             return [(g, v) for g, (_, v) in zip(grads, pairs, strict=True)]
 
@@ -432,7 +434,7 @@ class LocalSGD(CollectiveAllReduce):
     def _sync(self, model, inner, state):
         """In replica context: average, apply the outer step, reset the period (one call)."""
         weights = list(model.trainable_variables)
-        extras = _stats.statistics(model)
+        extras = _batchnorm.statistics(model)
         if self.sync_slots:
             extras += self._slots(inner, state)
         values = [tf.convert_to_tensor(_local(v).read_value()) for v in weights + extras]

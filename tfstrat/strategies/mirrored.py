@@ -10,10 +10,10 @@ import tensorflow as tf
 from tfstrat._compat.tf import input_util
 from tfstrat.cluster.devices import local_devices
 from tfstrat.keras import _shuffle
-from tfstrat.reduce.collective import SparseAwareAllReduce
+from tfstrat.reduce.cross_device import SparseAwareAllReduce
 from tfstrat.reduce.sparse import DensityPolicy
 from tfstrat.strategies import _common
-from tfstrat.strategies.collective import _Launcher
+from tfstrat.strategies.collective import _CollectiveLauncher
 
 logger = logging.getLogger(__name__)
 
@@ -79,11 +79,11 @@ class MirroredNCCL(_common.AdoptsKerasOptimizers, tf.distribute.MirroredStrategy
             collective_keys=extended._collective_keys,
         )
         for i, launcher in enumerate(ops._launchers):
-            # steps_per_execution > 1: instance keys from a counter (see collective._Launcher);
+            # steps_per_execution > 1: instance keys from a counter (see collective._CollectiveLauncher);
             # one counter per replica, so that every replica draws the same sequence of keys.
             with tf.device(extended._devices[i]):
                 counter = tf.Variable(1 << 30, dtype=tf.int32, trainable=False, name="key")
-            launcher.__class__, launcher.counter = _Launcher, counter
+            launcher.__class__, launcher.counter = _CollectiveLauncher, counter
         extended._cross_device_ops = ops
         extended._collective_ops = ops
         extended._communication_options = options

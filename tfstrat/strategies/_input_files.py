@@ -40,6 +40,7 @@ import tensorflow as tf
 
 from tfstrat._compat.tf import collective_all_reduce_strategy as _cars
 from tfstrat._compat.tf import distribute_lib
+from tfstrat.errors import UsageError
 
 logger = logging.getLogger(__name__)
 
@@ -272,7 +273,7 @@ def choose(policy, source: FileSource | None, workers: int) -> Choice:
         return Choice("off", "the dataset asks for AutoShardPolicy.OFF")
     if policy == _Policy.FILE:
         if source is None:
-            raise ValueError(
+            raise UsageError(
                 "Received: a dataset with auto_shard_policy=AutoShardPolicy.FILE that reads no "
                 "files TensorFlow can shard (no TFRecordDataset, TextLineDataset or "
                 "FixedLengthRecordDataset fed by a list of names was found in it). Read the "
@@ -281,7 +282,7 @@ def choose(policy, source: FileSource | None, workers: int) -> Choice:
                 "worker reads everything and takes its slice of each global batch)."
             )
         if source.count is not None and source.count < workers:
-            raise ValueError(_too_few(source.count, workers))
+            raise UsageError(_too_few(source.count, workers))
         counted = "an unknown number of" if source.count is None else f"{source.count}"
         return Choice("file", f"the dataset asks for AutoShardPolicy.FILE ({counted} files)")
     if source is None:

@@ -28,6 +28,7 @@ import tensorflow as tf
 from tfstrat import runtime
 from tfstrat._compat.tf import distribute_lib, nest, one_device_strategy
 from tfstrat.cluster import TFConfig
+from tfstrat.errors import UsageError
 from tfstrat.keras import _fit_scope
 from tfstrat.keras._shuffle import seed_shuffles
 from tfstrat.ps import variables as psvars
@@ -209,7 +210,7 @@ class ParameterServer(distribute_lib.Strategy):
         workers = tf_config.num_workers
         required = workers if replicas_to_aggregate is None else int(replicas_to_aggregate)
         if not 1 <= required <= workers:
-            raise ValueError(
+            raise UsageError(
                 f"Received: replicas_to_aggregate={replicas_to_aggregate} with {workers} "
                 f"worker(s). Use a number from 1 to {workers}, or None for all."
             )
@@ -415,7 +416,7 @@ class ParameterServer(distribute_lib.Strategy):
         policy = dataset.options().experimental_distribute.auto_shard_policy
         if self.num_workers < 2 or policy != tf.data.experimental.AutoShardPolicy.FILE:
             return
-        raise ValueError(
+        raise UsageError(
             "Received: a dataset with auto_shard_policy=FILE under ParameterServer. "
             "ParameterServer gives every worker the whole dataset and slices each global batch "
             "(reading by file is not supported under it): set AutoShardPolicy.DATA (or AUTO), "
@@ -427,7 +428,7 @@ class ParameterServer(distribute_lib.Strategy):
         rows = rows if rows is not None else self._input_rows
         self._input_rows = None
         if rows is not None and rows < self.num_workers:
-            raise ValueError(
+            raise UsageError(
                 f"Received: a global batch of {rows} row(s) for {self.num_workers} workers. "
                 "ParameterServer gives worker w rows [w*n//W, (w+1)*n//W) of each batch of n "
                 "rows, so a worker would train on nothing (its loss would read 0.0 and sync "
@@ -541,7 +542,7 @@ def _first_batch_rows(dataset) -> int | None:
     """Rows in the dataset's first batch; ValueError if it has none."""
     cardinality = int(dataset.cardinality())
     if cardinality == 0:
-        raise ValueError(_EMPTY)
+        raise UsageError(_EMPTY)
     rows = _static_rows(dataset.element_spec)
     if rows is not None and cardinality != tf.data.UNKNOWN_CARDINALITY:
         return rows
@@ -549,7 +550,7 @@ def _first_batch_rows(dataset) -> int | None:
     # build), so one more read costs no more than that.
     for element in dataset.take(1):
         return _eager_rows(element)
-    raise ValueError(_EMPTY)
+    raise UsageError(_EMPTY)
 
 
 _EMPTY = (
@@ -580,7 +581,7 @@ def _eager_rows(data) -> int | None:
 
 def _env_config() -> TFConfig:
     if not os.environ.get("TF_CONFIG"):
-        raise ValueError(
+        raise UsageError(
             "ParameterServer needs a cluster with ps tasks: set TF_CONFIG (e.g. run under "
             "`tfstrat launch --workers 2 --ps 1 -- python train.py`) or pass tf_config=."
         )
@@ -589,16 +590,16 @@ def _env_config() -> TFConfig:
 
 def _check_config(tf_config: TFConfig, mode: str, partitions) -> None:
     if mode not in ("sync", "async"):
-        raise ValueError(f"Received: mode={mode!r}. Use 'sync' or 'async'.")
+        raise UsageError(f"Received: mode={mode!r}. Use 'sync' or 'async'.")
     if partitions != "auto" and not (isinstance(partitions, int) and partitions >= 1):
-        raise ValueError(f"Received: partitions={partitions!r}. Use 'auto' or an integer >= 1.")
+        raise UsageError(f"Received: partitions={partitions!r}. Use 'auto' or an integer >= 1.")
     if not tf_config.addresses("ps"):
-        raise ValueError(
+        raise UsageError(
             f"Received: a cluster without ps tasks ({dict(tf_config.cluster)}). ParameterServer "
             "needs at least one: `tfstrat launch --ps 1 ...`, or use tfstrat.CollectiveAllReduce."
         )
     if tf_config.task_type not in ("chief", "worker", "ps"):
-        raise ValueError(
+        raise UsageError(
             f"Received: task type {tf_config.task_type!r}. ParameterServer runs in chief, "
             "worker and ps tasks."
         )
