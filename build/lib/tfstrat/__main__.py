@@ -1,0 +1,5 @@
+import sys
+
+from tfstrat.commands.main import main
+
+sys.exit(main())

@@ -1,0 +1,74 @@
+"""Every change tfstrat makes to a class or module of Keras goes through `patch`: one list of
+what is changed and why (`installed()`), one way back (`remove`, `remove_all`).
+
+tfstrat patches only what Keras offers no hook for (the loss scaling per replica, the fit
+loop's epoch hooks, the savers, the trainer's step functions); each patch's `why` says what.
+Patches are installed when the first strategy that needs them is created, never at import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass
+class Patch:
+    owner: Any
+    name: str
+    original: Any
+    why: str
+    own: bool  # whether `owner` itself had the attribute (else it was inherited)
+
+    @property
+    def where(self) -> str:
+        owner = getattr(self.owner, "__qualname__", None) or getattr(self.owner, "__name__", "?")
+        module = getattr(self.owner, "__module__", None)
+        prefix = f"{module}." if module and module != owner else ""
+        return f"{prefix}{owner}.{self.name}"
+
+
+_patches: dict[tuple[int, str], Patch] = {}
+
+
+def patch(owner: Any, name: str, replacement: Any, why: str) -> Any:
+    """Sets `owner.name = replacement`; returns what was there before tfstrat's first patch of
+    it (patching twice keeps that original)."""
+    key = (id(owner), name)
+    if key not in _patches:
+        own = name in vars(owner)
+        _patches[key] = Patch(
+            owner, name, vars(owner)[name] if own else getattr(owner, name), why, own
+        )
+    setattr(owner, name, replacement)
+    return _patches[key].original
+
+
+def original(owner: Any, name: str) -> Any:
+    """Keras's own `owner.name` (the current one when tfstrat did not patch it)."""
+    found = _patches.get((id(owner), name))
+    return found.original if found else getattr(owner, name)
+
+
+def is_patched(owner: Any, name: str) -> bool:
+    return (id(owner), name) in _patches
+
+
+def installed() -> list[str]:
+    """ "module.Class.name: why" for every patch in place, in the order they were made."""
+    return [f"{p.where}: {p.why}" for p in _patches.values()]
+
+
+def remove(owner: Any, name: str) -> None:
+    """Puts Keras's own `owner.name` back (nothing when it is not patched)."""
+    found = _patches.pop((id(owner), name), None)
+    if found is not None and found.own:
+        setattr(owner, name, found.original)
+    elif found is not None:
+        delattr(owner, name)  # the inherited one shows again
+
+
+def remove_all() -> None:
+    """Every patch undone, the latest first."""
+    for p in reversed(list(_patches.values())):
+        remove(p.owner, p.name)

@@ -1,0 +1,31 @@
+"""Every private TensorFlow module tfstrat uses (`tensorflow.python`), imported here only.
+
+What each is for:
+- `collective_all_reduce_strategy`, `cross_device_utils`, `cross_device_ops`, `values`,
+  `input_util`, `distribute_lib`, `one_device_strategy`: the classes tfstrat's strategies
+  extend (MultiWorkerMirroredStrategy's extended object, the collective launcher, the
+  cross-device reduction, per-replica values, distributed input, the Strategy base).
+- `context`: the eager context (is the runtime up; the coordination service's key-value store).
+- `random_seed`: the global seed Keras's array shuffling reads.
+- `gen_resource_variable_ops`, `handle_data_util`, `resource_variable_ops`: variables placed
+  on a ps task.
+- `nest`: TensorFlow's structure utilities, as the strategies it extends use them.
+"""
+
+from tensorflow.python.distribute import (  # noqa: F401
+    collective_all_reduce_strategy,
+    cross_device_ops,
+    cross_device_utils,
+    distribute_lib,
+    input_util,
+    one_device_strategy,
+    values,
+)
+from tensorflow.python.eager import context  # noqa: F401
+from tensorflow.python.framework import random_seed  # noqa: F401
+from tensorflow.python.ops import (  # noqa: F401
+    gen_resource_variable_ops,
+    handle_data_util,
+    resource_variable_ops,
+)
+from tensorflow.python.util import nest  # noqa: F401

@@ -1,0 +1,336 @@
+"""One benchmark process: trains a model on synthetic images and prints `RESULT {json}`.
+
+Run by the benchmark drivers through `tfstrat launch`, one per task:
+    python -m tfstrat.bench._worker '{"strategy": "collective", "model": "small", ...}'
+
+Strategies: "none" (no strategy), "mirrored" (MirroredNCCL), "collective"
+(CollectiveAllReduce), "ps-sync" / "ps-async" (ParameterServer), "hybrid", "localsgd-N"
+(LocalSGD, sync every N steps), "diloco-N" (LocalSGD with DiLoCo's outer Nesterov step;
+"diloco-N-lrX": its outer learning rate X instead of 0.7), and
+the stock peers "tfkeras-none", "tfkeras-mirrored", "tfkeras-mwms"
+(tf-keras, TF_USE_LEGACY_KERAS=1) and "keras3-mwms" (stock MWMS under Keras 3).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+from tfstrat.errors import UsageError
+
+
+def _serve_until_chief_exits():
+    """A worker of stock ParameterServerStrategy: serve until the coordinator (chief) is gone."""
+    import socket
+
+    from tfstrat.cluster import TFConfig
+    from tfstrat.ps.server import start_server
+
+    config = TFConfig.from_env()
+    server = start_server(config)  # noqa: F841 (kept alive while we wait)
+    host, port = config.addresses("chief")[0].rsplit(":", 1)
+    seen, deadline = False, time.monotonic() + 1800
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+            seen = True
+        except OSError:
+            if seen:
+                sys.exit(0)
+        time.sleep(0.5)
+    sys.exit("tfstrat bench: the chief never finished; giving up")
+
+
+def _strategy(tf, name: str, devices: int):
+    """Creates the strategy first, before any other op (collectives start with the program)."""
+    if devices > 1:
+        import tfstrat
+
+        tfstrat.split_cpu(devices)
+    cpus = [f"/device:CPU:{i}" for i in range(devices)]
+    if name in ("none", "tfkeras-none"):
+        return None
+    if name == "mirrored":
+        import tfstrat
+
+        return tfstrat.MirroredNCCL(timeout=120)
+    if name == "collective":
+        import tfstrat
+
+        return tfstrat.CollectiveAllReduce(devices=devices if devices > 1 else None, timeout=120)
+    if name == "hybrid":
+        import tfstrat
+
+        return tfstrat.Hybrid(timeout=120)
+    if name.startswith(("localsgd-", "diloco-")):
+        import tfstrat
+
+        kind, every, *lr = name.split("-")
+        outer = "diloco" if kind == "diloco" else None
+        if lr:  # "diloco-16-lr0.5"; a config, not a Keras optimizer: no TF op before this
+            if kind != "diloco" or len(lr) != 1 or not lr[0].startswith("lr"):
+                raise UsageError(
+                    f"Received: strategy={name!r}. Use diloco-N-lrX, e.g. diloco-16-lr0.5."
+                )
+            sgd = {"learning_rate": float(lr[0][2:]), "momentum": 0.9, "nesterov": True}
+            outer = {"class_name": "SGD", "config": sgd}
+        return tfstrat.LocalSGD(sync_every=int(every), outer_optimizer=outer, timeout=120)
+    if name in ("ps-sync", "ps-async"):
+        import tfstrat
+
+        return tfstrat.ParameterServer(mode=name[3:], timeout=120)
+    if name == "tfkeras-mirrored":
+        return tf.distribute.MirroredStrategy(
+            cpus if not tf.config.list_physical_devices("GPU") else None
+        )
+    if name == "tfkeras-ps":  # stock async PS: the chief coordinates, workers only serve
+        if not os.environ.get("TFSTRAT_TASK", "").startswith("chief"):
+            _serve_until_chief_exits()
+        resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+        return tf.distribute.experimental.ParameterServerStrategy(resolver)
+    if name in ("tfkeras-mwms", "keras3-mwms"):
+        options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=120)
+        return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    raise UsageError(f"Received: strategy={name!r}. Unknown benchmark strategy.")
+
+
+def _sparse_model(keras, vocab: int, dim: int, seq: int, classes: int):
+    """LM1B-like: a large embedding table and a small dense head with real compute.
+
+    Keras 3 rows use tfstrat's Embedding (Keras 3's reads the whole table every step); the
+    tf-keras peers use tf-keras's, which gathers rows already.
+    """
+    layers = keras.layers
+    embedding = layers.Embedding
+    if keras.__name__ == "keras":
+        from tfstrat.keras.layers import Embedding as embedding
+    inputs = keras.Input((seq,), dtype="int32")
+    x = embedding(vocab, dim)(inputs)
+    x = layers.Conv1D(256, 3, padding="same", activation="relu")(x)
+    x = layers.Conv1D(256, 3, padding="same", activation="relu")(x)
+    x = layers.GlobalAveragePooling1D()(x)
+    x = layers.Dense(256, activation="relu")(x)
+    return keras.Model(inputs, layers.Dense(classes)(x))
+
+
+#: Held-out images for the accuracy rows (the same for every seed and row). 1,024 until session
+#: 9: a standard error of 1.4 points at 75%, too coarse for a "within 1 point" goal.
+HELD_OUT = 8192
+
+
+def _teacher_data(np, seed: int, n: int, image: int):
+    """Images a CNN with global pooling can learn to label: noise over a per-image colour;
+    the label is a fixed random linear map of the colour (argmax of 10 scores)."""
+    rng = np.random.default_rng(seed)
+    color = rng.random((n, 1, 1, 3), dtype=np.float32)
+    x = (0.5 * rng.random((n, image, image, 3), dtype=np.float32) + 0.5 * color).astype("float32")
+    weights = np.random.default_rng(123).standard_normal((3, 10))
+    return x, ((color.reshape(n, 3) - 0.5) @ weights).argmax(1).astype("int32")
+
+
+def _data(tf, np, config: dict, global_batch: int):
+    rng = np.random.default_rng(0)
+    n = global_batch * (32 if config.get("accuracy") else 4)
+    if config.get("accuracy"):  # learnable labels; accuracy measured on held-out images
+        seed = int(config.get("seed", 0))  # 0: the data every earlier run used
+        x, y = _teacher_data(np, 1000 + seed if seed else 0, n, int(config["image"]))
+    elif config.get("workload") == "sparse":
+        seq, vocab = int(config["seq"]), int(config["vocab"])
+        x = ((rng.zipf(1.2, (n, seq)) - 1) % vocab).astype("int32")  # Zipf-distributed ids
+        y = (x[:, 0] % int(config["classes"])).astype("int32")
+    else:
+        image = int(config["image"])
+        x = rng.random((n, image, image, 3), dtype=np.float32)
+        y = rng.integers(0, 10, n).astype("int32")
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(global_batch, drop_remainder=True)
+    return data.repeat().prefetch(2)
+
+
+def _build(keras, config: dict):
+    if config.get("workload") == "sparse":
+        model = _sparse_model(
+            keras,
+            int(config["vocab"]),
+            int(config["dim"]),
+            int(config["seq"]),
+            int(config["classes"]),
+        )
+        return model, keras.optimizers.Adagrad(0.1)
+    return _model(keras, config["model"], int(config["image"])), keras.optimizers.SGD(
+        0.01, momentum=0.9
+    )
+
+
+def _model(keras, name: str, image: int):
+    if name == "resnet50":
+        return keras.applications.ResNet50(weights=None, input_shape=(image, image, 3), classes=10)
+    if name == "wide":  # ~10.5M weights (42 MB of gradients a step): bound by the link
+        return keras.Sequential(
+            [
+                keras.Input((image, image, 3)),
+                keras.layers.Flatten(),
+                keras.layers.Dense(2048, activation="relu"),
+                keras.layers.Dense(2048, activation="relu"),
+                keras.layers.Dense(10),
+            ]
+        )
+    layers = keras.layers
+    inputs = keras.Input((image, image, 3))
+    x = layers.Conv2D(32, 3, padding="same", activation="relu")(inputs)
+    for filters in (32, 64):  # two residual stages, ResNet-like
+        shortcut = layers.Conv2D(filters, 1, strides=2)(x)
+        y = layers.Conv2D(filters, 3, strides=2, padding="same", activation="relu")(x)
+        y = layers.Conv2D(filters, 3, padding="same")(y)
+        x = layers.Activation("relu")(layers.Add()([shortcut, y]))
+    x = layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, layers.Dense(10)(x))
+
+
+def main(config: dict) -> dict:
+    threads = int(config.get("threads") or 0)
+    import tensorflow as tf
+
+    if threads:  # thread pools are configuration: set before the runtime starts
+        # Both pools: with 2 inter-op threads, one "single-threaded" process keeps 1.3-1.4
+        # cores busy (independent ops run side by side), so 2 workers on 2 cores would fight.
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        tf.config.threading.set_inter_op_parallelism_threads(int(config.get("inter_op", threads)))
+    devices = int(config.get("devices", 1))
+    strategy = _strategy(tf, config["strategy"], devices)
+    if config["strategy"].startswith("tfkeras"):
+        import tf_keras as keras
+    else:
+        import keras
+    import numpy as np
+
+    ps_mode = config["strategy"] == "tfkeras-ps"
+    replicas = strategy.num_replicas_in_sync if strategy and not ps_mode else 1
+    ps_ports = None
+    if config["strategy"].startswith("ps-"):  # tfstrat's: the dataset carries the global batch
+        replicas = strategy.num_workers
+        addresses = strategy.extended.tf_config.addresses("ps")
+        ps_ports = {int(a.rsplit(":", 1)[1]) for a in addresses}
+    if config["strategy"] == "hybrid" and strategy.ps_addresses:  # tables: RPC on port + 1
+        ps_ports = {int(a.rsplit(":", 1)[1]) + 1 for a in strategy.ps_addresses}
+    global_batch = int(config["batch_per_device"]) * replicas  # PS: one worker's batch a step
+    data = _data(tf, np, config, global_batch)
+    if ps_mode:  # built on each worker from the function, not shipped from the coordinator
+        data = keras.utils.experimental.DatasetCreator(
+            lambda context: _data(tf, np, config, global_batch)
+        )
+    scope = strategy.scope() if strategy else tf.distribute.get_strategy().scope()
+    if config.get("accuracy"):  # rows compared on accuracy start from the same weights
+        keras.utils.set_random_seed(int(config.get("seed", 0)))
+    with scope:
+        model, optimizer = _build(keras, config)
+        model.compile(
+            optimizer=optimizer,
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+
+    class Clock(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            self.seconds = []
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.start = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.seconds.append(time.perf_counter() - self.start)
+            self.loss = float(logs.get("loss", float("nan")))
+
+    class Traffic(keras.callbacks.Callback):  # bytes to and from the ps tasks, timed epochs
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 1:
+                self.start = sum(tcp_bytes(ps_ports))
+
+        def on_train_end(self, logs=None):
+            self.per_step = (sum(tcp_bytes(ps_ports)) - self.start) / (steps * repeats)
+
+    ring = getattr(
+        getattr(getattr(strategy, "extended", None), "_cross_device_ops", None), "ring", None
+    )
+
+    class RingBytes(keras.callbacks.Callback):  # what the TCP ring sent, timed epochs
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 1:
+                self.start = ring.bytes_sent
+
+        def on_train_end(self, logs=None):
+            self.per_step = (ring.bytes_sent - self.start) / (steps * repeats)
+
+    from tfstrat.runtime.traffic import tcp_bytes
+
+    clock, traffic, ring_bytes = Clock(), Traffic(), RingBytes()
+    steps, repeats = int(config["steps"]), int(config["repeats"])
+    local_sgd = config["strategy"].startswith(("localsgd-", "diloco-"))
+    if local_sgd:  # what crosses this worker's sockets: its sent bytes, every peer
+        tcp_bytes = lambda ports: (_sent_bytes(),)  # noqa: E731
+    callbacks = [clock] + ([traffic] if ps_ports or local_sgd else [])
+    callbacks += [ring_bytes] if ring is not None and not local_sgd else []
+    model.fit(data, steps_per_epoch=steps, epochs=1 + repeats, verbose=0, callbacks=callbacks)
+    timed = clock.seconds[1:]  # epoch 0 traces and warms up
+    profile_dir = os.environ.get("TFSTRAT_BENCH_PROFILE")
+    if profile_dir:  # 10 more steps, traced: `python benchmarks/profile_summary.py DIR/TASK`
+        task = os.environ.get("TFSTRAT_TASK", "worker:0").replace(":", "-")
+        tf.profiler.experimental.start(os.path.join(profile_dir, task))
+        model.fit(data, steps_per_epoch=10, epochs=1, verbose=0)
+        tf.profiler.experimental.stop()
+    rates = [steps * global_batch / s for s in timed]
+    ops = getattr(getattr(strategy, "extended", None), "_cross_device_ops", None)
+    sent = ops.bytes_sent_per_worker() if hasattr(ops, "bytes_sent_per_worker") else None
+    if ring is not None and not local_sgd:  # measured on the ring, not computed
+        sent = ring_bytes.per_step
+    if ps_ports:  # measured on the sockets to the ps tasks, both directions
+        sent = traffic.per_step + (sent or 0)
+    if local_sgd:
+        sent = traffic.per_step
+    accuracy = None
+    if config.get("accuracy"):
+        held_out, labels = _teacher_data(np, 1, HELD_OUT, int(config["image"]))
+        logits = np.concatenate(  # this worker's model, in slices (no collective)
+            [
+                model(tf.constant(held_out[i : i + 512]), training=False)
+                for i in range(0, HELD_OUT, 512)
+            ]
+        )
+        accuracy = float((np.asarray(logits).argmax(1) == labels).mean())
+    import resource
+
+    ps_rss = None
+    if config["strategy"] == "hybrid" and strategy.ps_addresses:  # the table servers' memory
+        clients = strategy._clients
+        ps_rss = max(float(clients.call(i, "stats")[0]) for i in range(len(clients.addresses)))
+    return {
+        "ps_peak_rss_mb": ps_rss,
+        "bytes_sent_per_step": None if ps_mode else (sent if replicas > 1 else 0),
+        "final_loss": clock.loss,
+        "accuracy": accuracy,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "replicas": replicas,
+        "global_batch": global_batch,
+        "threads": tf.config.threading.get_intra_op_parallelism_threads(),
+        "warmup_s": clock.seconds[0],
+        "epoch_s": timed,
+        "steps_per_s": statistics.median(steps / s for s in timed),
+        "examples_per_s": statistics.median(rates),
+        "examples_per_s_min": min(rates),
+        "examples_per_s_max": max(rates),
+        "keras": getattr(keras, "__version__", "?"),
+        "tensorflow": tf.__version__,
+    }
+
+
+def _sent_bytes() -> int:
+    from tfstrat.runtime.traffic import tcp_bytes
+
+    return tcp_bytes()[0]
+
+
+if __name__ == "__main__":
+    result = main(json.loads(sys.argv[1]))
+    result["task"] = os.environ.get("TFSTRAT_TASK", "worker:0")
+    print("RESULT " + json.dumps(result), flush=True)

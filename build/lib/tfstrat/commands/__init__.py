@@ -1,0 +1,1 @@
+"""The `tfstrat` command: `main` builds the parser from one module per subcommand."""

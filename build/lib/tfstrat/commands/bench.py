@@ -1,0 +1,123 @@
+"""`tfstrat bench scaling|sparse|allreduce`: the benchmarks, as a table and a plot."""
+
+from __future__ import annotations
+
+import sys
+
+from tfstrat.commands import _args
+
+
+def run(args) -> int:
+    from tfstrat.bench._report import UnknownRows
+
+    workers = [int(w) for w in _args.csv(args.workers) if w.isdigit()]
+    if not workers or min(workers) < 1 or len(workers) != len(_args.csv(args.workers)):
+        print(f"tfstrat bench: --workers {args.workers!r} must list counts >= 1", file=sys.stderr)
+        return _args.EXIT_USAGE
+    if args.name == "allreduce":
+        from tfstrat.bench.allreduce import DEFAULT_SIZES, AllReduceConfig
+        from tfstrat.bench.allreduce import run as run_allreduce
+
+        sizes = DEFAULT_SIZES[:4] if args.quick else DEFAULT_SIZES
+        config = AllReduceConfig(
+            workers=max(workers),
+            sizes=sizes,
+            iters=3 if args.quick else 30,
+            peer=args.peer,
+            out=args.out,
+        )
+        rows = run_allreduce(config)
+        ok = all("tfstrat_ms" in r for r in rows)
+    elif args.name == "sparse":
+        from tfstrat.bench.sparse import SparseConfig
+        from tfstrat.bench.sparse import run as run_sparse
+
+        sizes = dict(steps=args.steps, repeats=args.repeats)
+        if args.vocab:
+            sizes["vocab"] = _args.vocabs(args.vocab)
+        if args.quick:
+            sizes = dict(sizes, vocab=sizes.get("vocab", 5000), steps=3, repeats=1)
+            sizes["batch_per_device"] = 8
+        config = SparseConfig(
+            workers=[w for w in workers if w > 1] or [2],
+            peer=args.peer,
+            threads=args.threads_per_worker,
+            out=args.out,
+            rows=_args.csv(args.rows) if args.rows else None,
+            **sizes,
+        )
+        run = run_sparse
+    else:
+        from tfstrat.bench.scaling import ScalingConfig
+        from tfstrat.bench.scaling import run as run_scaling
+
+        if args.quick:  # the smoke test's size: seconds per row, numbers meaningless
+            args.steps, args.repeats, args.image, args.batch_per_device = 3, 1, 16, 8
+        config = ScalingConfig(
+            workers=workers,
+            devices_per_worker=args.devices_per_worker,
+            model=args.model,
+            batch_per_device=args.batch_per_device,
+            image=args.image,
+            steps=args.steps,
+            repeats=args.repeats,
+            peer=args.peer,
+            threads=args.threads_per_worker,
+            out=args.out,
+            rows=_args.csv(args.rows) if args.rows else None,
+        )
+        run = run_scaling
+    if args.name != "allreduce":
+        try:
+            rows = run(config)
+        except UnknownRows as e:
+            print(e, file=sys.stderr)
+            return _args.EXIT_USAGE
+        ok = all("error" not in r for r in rows if not r["row"].startswith("S"))
+    with open(f"{args.out}/{args.name}.md") as f:
+        print(f.read())
+    return 0 if ok else 1
+
+
+def add_parser(sub) -> None:
+    """The `tfstrat bench` subcommand, added to the parser `main` builds."""
+    p = sub.add_parser(
+        "bench",
+        help="benchmarks: scaling (Mirrored vs CollectiveAllReduce), sparse (embeddings), allreduce",
+    )
+    p.add_argument("name", choices=["scaling", "sparse", "allreduce"])
+    g = p.add_argument_group("Cluster")
+    g.add_argument(
+        "--workers", default=_args.env("bench-workers", "1,2"), help="worker counts, e.g. 1,2,3"
+    )
+    g.add_argument(
+        "--devices-per-worker", type=int, default=_args.env("devices-per-worker", 1, int)
+    )
+    g.add_argument(
+        "--threads-per-worker", type=int, default=_args.env("threads-per-worker", None, int)
+    )
+    g = p.add_argument_group("Workload")
+    g.add_argument("--model", choices=["small", "resnet50"], default=_args.env("model"))
+    g.add_argument("--batch-per-device", type=int, default=_args.env("batch-per-device", None, int))
+    g.add_argument("--image", type=int, default=_args.env("image", None, int), help="image side")
+    g.add_argument(
+        "--steps", type=int, default=_args.env("steps", 20, int), help="steps per timed epoch"
+    )
+    g.add_argument("--repeats", type=int, default=_args.env("repeats", 3, int), help="timed epochs")
+    g.add_argument(
+        "--vocab",
+        default=_args.env("vocab"),
+        help="sparse: table rows, one run of the rows per value, e.g. 200000,2000000",
+    )
+    g = p.add_argument_group("Output")
+    g.add_argument("--peer", action="store_true", default=_args.env("peer", False, bool))
+    g.add_argument("--quick", action="store_true", help="tiny sizes, for smoke tests")
+    g.add_argument(
+        "--rows",
+        default=_args.env("rows"),
+        help="scaling/sparse: only these row ids, e.g. P-1,A-1,B-2 (default: every row)",
+    )
+    g.add_argument(
+        "--out", default=_args.env("out", "bench-out"), help="directory for NAME.md/json/png"
+    )
+    p.set_defaults(run=run)

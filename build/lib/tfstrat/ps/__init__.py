@@ -1,0 +1,1 @@
+"""Parameter-server machinery shared by `tfstrat.ParameterServer` (and `tfstrat.Hybrid`)."""

@@ -1,0 +1,348 @@
+"""The worker's side of ps-held tables (`tfstrat.ps.tables`): lookups and pushes over TCP.
+
+A table of R rows split into P parts lives on the ps tasks part by part ("div" layout, as
+`tf.nn.embedding_lookup`). A lookup deduplicates the ids, asks each part's ps for its rows
+(all requests go out before the first answer is read) and stitches them back; in a step the
+calls are a `tf.numpy_function` over `tfstrat.ps.wire`. Its gradient is never materialised for
+the whole table: the rows' gradient is summed per id (local aggregation) and pushed to the
+parts, and what the layer hands to Keras is the gradient of a scalar "anchor" variable that
+depends on the pushes being sent. That anchor's gradient is all-reduced with the dense
+gradients, so when any worker's all-reduce completes, every worker's push of the step is on
+its way. The push does not wait for its answer: the ps applies the step while the workers
+all-reduce, and the answer is read before the connection's next call. A lookup carries its
+step, and the ps answers it once every earlier step pushed there is applied, so the next
+step sees the new rows.
+
+Uneven batches. Keras divides each replica's local-mean loss by the replica count R, so the
+rows' gradient a replica computes is g_r / R, g_r its local mean over its n_r rows. The push
+multiplies it by R n_r and carries n_r; the ps divides the step's sum by N = sum_r n_r, which
+gives (1/N) sum_i g_i, one device's gradient of the global batch, for any split (as
+`tfstrat.strategies._exact_step` does for the mirrored variables). A step whose loss Keras did
+not scale (a custom train_step) pushes weight 0: the ps sums its pushes unweighted.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import numpy as np
+import tensorflow as tf
+
+from tfstrat.errors import UsageError
+from tfstrat.ps.tables import KINDS, SLOTS, rpc_address
+from tfstrat.ps.variables import ps_device
+
+
+class TableClients:
+    """One connection per ps task's table server (`tfstrat.ps.wire`)."""
+
+    def __init__(self, ps_addresses, timeout: float, worker: int):
+        from tfstrat.ps import wire
+
+        self.addresses = [rpc_address(a) for a in ps_addresses]
+        self.timeout = timeout
+        self.connections = [
+            wire.Connection(address, timeout, f"ps:{i}") for i, address in enumerate(self.addresses)
+        ]
+        self._lock = threading.Lock()  # one call (or set of calls) at a time, from any thread
+        self._unread: dict[int, list[str]] = {}  # ps -> methods sent whose answers are unread
+
+    def call(self, ps: int, method: str, *arrays) -> list[np.ndarray]:
+        """Calls `method` on ps task `ps` (raises `wire.TableServerError` naming it)."""
+        return self.call_all([(ps, method, arrays)])[0]
+
+    def call_all(self, calls) -> list[list[np.ndarray]]:
+        """`[(ps, method, arrays), ...]`: sends every request, then reads the answers in turn,
+        so the ps tasks work at once. Two calls to one ps go one after the other."""
+        out, pending = [None] * len(calls), {}
+        with self._lock:
+            self._read_unread()
+            try:
+                for i, (ps, method, arrays) in enumerate(calls):
+                    if ps in pending:  # one request in flight per connection
+                        j = pending.pop(ps)
+                        out[j] = self.connections[ps].receive(calls[j][1])
+                    self.connections[ps].send(method, *arrays)
+                    pending[ps] = i
+                while pending:
+                    ps, j = pending.popitem()
+                    out[j] = self.connections[ps].receive(calls[j][1])
+            except BaseException:
+                for ps in pending:  # unread answers: those connections start afresh
+                    self.connections[ps].close()
+                raise
+        return out
+
+    def send_all(self, calls) -> None:
+        """Sends `[(ps, method, arrays), ...]` without waiting for the answers: they are read
+        (and an error in one raised, naming its ps) before the next call."""
+        with self._lock:
+            for ps, method, arrays in calls:
+                try:
+                    self.connections[ps].send(method, *arrays)
+                except BaseException:
+                    self._unread.pop(ps, None)  # the connection is gone, its answers with it
+                    raise
+                self._unread.setdefault(ps, []).append(method)
+
+    def _read_unread(self) -> None:
+        for ps in list(self._unread):
+            methods = self._unread[ps]
+            while methods:
+                method = methods.pop(0)
+                if not self.connections[ps].is_open:  # closed by a failure: answers gone
+                    methods.clear()
+                    break
+                self.connections[ps].receive(method)
+            del self._unread[ps]
+
+    def put_meta(self, key: int, value: int) -> None:
+        self.call(0, "put_meta", np.int64(key), np.int64(value))
+
+    def wait_meta(self, key: int, timeout: float, what: str) -> int:
+        """Polls ps 0 for the chief's `key` (e.g. a table's partition count)."""
+        deadline, pause = time.monotonic() + timeout, 0.01
+        while True:
+            value = int(self.call(0, "get_meta", np.int64(key))[0])
+            if value >= 0:
+                return value
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"Waited {timeout:g} s for the chief to choose {what}. Is the chief alive "
+                    "and running the same model code?"
+                )
+            time.sleep(pause)
+            pause = min(2 * pause, 0.5)
+
+
+# Bytes per call when a checkpoint reads or writes a table: a 2M-row table moves in pieces, so
+# neither side holds a second copy of all of it in flight.
+_CHUNK_BYTES = 3 << 20
+
+
+class RemoteTable:
+    """A table on ps tasks: `parts[k] = (ps task, table number, first row, end row)`."""
+
+    def __init__(self, clients: TableClients, name, rows, dim, parts, workers, init: dict):
+        self.clients, self.name, self.rows, self.dim = clients, name, rows, dim
+        self.parts, self.replicas = parts, workers
+        spec = np.frombuffer(json.dumps(init).encode(), np.uint8)
+        for ps, number, lo, hi in parts:
+            clients.call(ps, "create", *np.array([number, hi - lo, dim, workers], np.int64), spec)
+
+    def drop(self) -> None:
+        for ps, number, _, _ in self.parts:
+            self.clients.call(ps, "drop", np.int64(number))
+
+    @property
+    def devices(self) -> list[str]:
+        return [ps_device(ps) for ps, *_ in self.parts]
+
+    # -- reading and writing whole tables and slots (checkpoints) -----------------------------
+
+    def _chunk_rows(self) -> int:
+        return max(1, _CHUNK_BYTES // (4 * self.dim))
+
+    def _read_rows(self, ps, method, head, rows) -> np.ndarray:
+        chunks, step = [], self._chunk_rows()
+        for a in range(0, rows, step):
+            b = min(rows, a + step)
+            (flat,) = self.clients.call(ps, method, *head, np.int64(a), np.int64(b))
+            chunks.append(flat.reshape(b - a, self.dim))
+        return np.concatenate(chunks, axis=0) if chunks else np.zeros((0, self.dim), np.float32)
+
+    def _write_rows(self, ps, method, head, rows: np.ndarray) -> None:
+        step = self._chunk_rows()
+        for a in range(0, len(rows), step):
+            self.clients.call(ps, method, *head, np.int64(a), rows[a : a + step].reshape(-1))
+
+    def numpy(self) -> np.ndarray:
+        return np.concatenate(
+            [
+                self._read_rows(ps, "read", [np.int64(number)], hi - lo)
+                for ps, number, lo, hi in self.parts
+            ],
+            axis=0,
+        )
+
+    def assign(self, table: np.ndarray) -> None:
+        table = np.asarray(table, np.float32)
+        for ps, number, lo, hi in self.parts:
+            self._write_rows(ps, "write", [np.int64(number)], table[lo:hi])
+
+    def slots(self, fills: dict[str, float]) -> dict[str, np.ndarray]:
+        """The optimizer slots the ps tasks hold for this table, each whole (by name).
+
+        A part no push has reached yet has no slots; its rows are `fills[name]`, the value
+        the slot would start from.
+        """
+        present = []
+        for ps, number, _, _ in self.parts:
+            (ids,) = self.clients.call(ps, "slots", np.int64(number))
+            present.append({SLOTS[i] for i in ids.tolist()})
+        out = {}
+        for name in SLOTS:
+            if not any(name in p for p in present):
+                continue
+            rows = []
+            for (ps, number, lo, hi), have in zip(self.parts, present):
+                if name in have:
+                    head = [np.int64(number), np.int64(SLOTS.index(name))]
+                    rows.append(self._read_rows(ps, "read_slot", head, hi - lo))
+                else:
+                    rows.append(np.full((hi - lo, self.dim), fills.get(name, 0.0), np.float32))
+            out[name] = np.concatenate(rows, axis=0)
+        return out
+
+    def assign_slots(self, slots: dict[str, np.ndarray]) -> None:
+        for name, value in slots.items():
+            value = np.asarray(value, np.float32)
+            if name not in SLOTS or value.shape != (self.rows, self.dim):
+                raise UsageError(
+                    f"Table {self.name!r}: the saved slot {name!r} has shape {value.shape}; "
+                    f"expected one of {list(SLOTS)} with shape {(self.rows, self.dim)}."
+                )
+            for ps, number, lo, hi in self.parts:
+                head = [np.int64(number), np.int64(SLOTS.index(name))]
+                self._write_rows(ps, "write_slot", head, value[lo:hi])
+
+    # -- in the step --------------------------------------------------------------------
+
+    def _split(self, ids: np.ndarray):
+        """Per part: (positions in `ids`, ids local to the part)."""
+        starts = np.array([lo for _, _, lo, _ in self.parts], np.int64)
+        part = np.searchsorted(starts[1:], ids, side="right")
+        positions = [np.flatnonzero(part == k) for k in range(len(self.parts))]
+        return positions, [ids[p] - starts[k] for k, p in enumerate(positions)]
+
+    def _check(self, ids: np.ndarray) -> None:
+        bad = ids[(ids < 0) | (ids >= self.rows)]
+        if len(bad):
+            raise UsageError(
+                f"Table {self.name!r}: id {int(bad[0])} is outside its rows 0..{self.rows - 1}. "
+                "Embedding inputs must be in [0, input_dim)."
+            )
+
+    def _fetch(self, unique_ids: np.ndarray, step=-1) -> np.ndarray:
+        self._check(unique_ids)
+        positions, local = self._split(unique_ids)
+        step = np.int64(step)
+        calls = [
+            (ps, "lookup", (np.int64(n), ids, step))
+            for (ps, n, _, _), ids in zip(self.parts, local)
+        ]
+        rows = np.empty((len(unique_ids), self.dim), np.float32)
+        for pos, (flat,) in zip(positions, self.clients.call_all(calls)):
+            rows[pos] = flat.reshape(-1, self.dim)
+        return rows
+
+    def _push(self, unique_ids, grads, step, hyper, rows, replica) -> np.int64:
+        self._check(unique_ids)
+        positions, local = self._split(unique_ids)
+        calls = [
+            (ps, "push", (np.int64(n), step, ids, grads[pos].reshape(-1), hyper, rows, replica))
+            for (ps, n, _, _), pos, ids in zip(self.parts, positions, local)
+        ]
+        self.clients.send_all(calls)  # the answers are read before the next call
+        return np.int64(0)
+
+    def fetch(self, unique_ids, step=None):
+        """The rows of `unique_ids` (a 1-D int64 tensor), shape [n, dim], as of every step
+        before `step` (None: whatever is applied)."""
+        step = tf.constant(-1, tf.int64) if step is None else tf.cast(step, tf.int64)
+        rows = tf.numpy_function(
+            self._fetch, [unique_ids, step], tf.float32, stateful=True, name="fetch"
+        )
+        return tf.reshape(rows, [-1, self.dim])
+
+    def push(self, unique_ids, grads, step, hyper, rows=None):
+        """Sends `grads` (already weighted) and their weight `rows` (None: 0, unweighted) to
+        the ps tasks; does not wait for the update (see the module's docstring)."""
+        rows = tf.constant(0.0) if rows is None else tf.cast(rows, tf.float32)
+        context = tf.distribute.get_replica_context()  # None in cross-replica code: one pusher
+        replica = tf.cast(context.replica_id_in_sync_group if context else 0, tf.int64)
+        args = [unique_ids, tf.cast(grads, tf.float32), step, hyper, rows, replica]
+        return tf.numpy_function(self._push, args, tf.int64, stateful=True, name="push")
+
+    def lookup(self, ids, anchor, step_fn, hyper_fn):
+        """Rows for `ids` (any shape); the gradient w.r.t. `anchor` pushes the rows' gradient."""
+        flat = tf.reshape(tf.cast(ids, tf.int64), [-1])
+        unique, index = tf.unique(flat)
+
+        @tf.custom_gradient
+        def rows_of(a):
+            step = step_fn()
+            rows = tf.gather(self.fetch(unique, step), index)
+
+            def grad(d_rows):
+                summed = tf.math.unsorted_segment_sum(d_rows, index, tf.shape(unique)[0])
+                summed, rows = self._weighted(summed)
+                sent = self.push(unique, summed, step_fn(), hyper_fn(), rows)
+                sent = tf.cast(tf.reshape(sent, []), a.dtype)
+                return tf.zeros_like(a) + 0.0 * sent  # 0, once the pushes are sent
+
+            return rows, grad
+
+        rows = rows_of(anchor)
+        return tf.reshape(rows, tf.concat([tf.shape(ids), [self.dim]], 0))
+
+    def _weighted(self, grads):
+        """(grads * R n_r, n_r) when Keras scaled this step's loss, else (grads, None)."""
+        # Read while the backward pass is traced inside the replica's train_step, where
+        # `_exact_step` has recorded the replica's rows and whether Keras scaled its loss.
+        from tfstrat.runtime.step import _step
+
+        if _step.rows is None or not _step.scaled:
+            return grads, None
+        rows = tf.cast(_step.rows, grads.dtype)
+        # multiply_no_nan: a replica without rows pushes no ids; its weight is 0.
+        return tf.math.multiply_no_nan(grads, rows * self.replicas), rows
+
+
+def optimizer_kind(optimizer) -> str | None:
+    """The `tfstrat.ps.rowmath` step a ps applies for a Keras optimizer, or None if it has none."""
+    classes = {cls.__name__ for cls in type(optimizer).__mro__}
+    if "SGD" in classes:
+        return "sgd_momentum" if optimizer.momentum else "sgd"
+    if "Adagrad" in classes:
+        return "adagrad"
+    if "Adam" in classes and not optimizer.amsgrad:
+        return "adam"
+    if "RMSprop" in classes and not optimizer.centered:
+        return "rmsprop_momentum" if optimizer.momentum > 0 else "rmsprop"
+    return None
+
+
+def optimizer_hyper(optimizer) -> tf.Tensor:
+    """The `tables.HYPER` numbers a push carries (the layout is in `tfstrat.ps.tables`)."""
+    kind = optimizer_kind(optimizer)
+    if kind is None:
+        raise UsageError(
+            f"Received: optimizer {type(optimizer).__name__} for a table on ps tasks. Hybrid "
+            "updates ps-held tables row by row with SGD (with or without momentum), Adagrad, "
+            "Adam (not amsgrad) or RMSprop (not centered); use one of those, or keep the "
+            "tables mirrored with Hybrid(sparse=[])."
+        )
+
+    def get(attr, default):
+        value = getattr(optimizer, attr, None)
+        return float(default if value is None else value)
+
+    numbers = [
+        float(KINDS.index(kind)),
+        get("beta_1", 0.9),
+        get("beta_2", 0.999),
+        get("epsilon", 1e-7),
+        get("initial_accumulator_value", 0.1),
+        get("momentum", 0.0),
+        float(bool(getattr(optimizer, "nesterov", False))),
+        get("rho", 0.9),
+        1 - get("beta_1", 0.9),  # in float64, as Keras computes them
+        1 - get("beta_2", 0.999),
+        1 - get("rho", 0.9),
+    ]
+    lr = tf.reshape(tf.cast(optimizer.learning_rate, tf.float32), [1])
+    numbers = tf.constant(numbers, tf.float32)
+    return tf.concat([numbers[:1], lr, numbers[1:]], 0)

@@ -1,0 +1,197 @@
+"""The cross-device all-reduce every tfstrat all-reduce strategy uses.
+
+A subclass of TensorFlow's collective all-reduce (ring on CPUs, NCCL on GPUs) that changes two
+things: how `IndexedSlices` are reduced (dedup, then one all-gather), and, with a `ring`
+(`communication="tcp"`, one device per worker), dense floating-point tensors go out packed in
+one call of tfstrat's TCP ring (`tfstrat.reduce.ring`) instead of TensorFlow's gRPC
+collectives, and packed sparse rows in one ring all-gather. Otherwise dense tensors keep TensorFlow's packing (one collective per pack of
+`bytes_per_pack`, or one for everything by default).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import tensorflow as tf
+
+from tfstrat._compat.tf import cross_device_ops, nest
+from tfstrat.reduce import sparse
+
+
+class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
+    """Collective all-reduce whose sparse path is dedup -> one all-gather, or densify.
+
+    Args:
+        devices: this process's replica devices.
+        group_size: replicas across all workers.
+        options: `tf.distribute.experimental.CommunicationOptions` (timeout, implementation).
+        density: the `sparse.DensityPolicy` deciding sparse vs dense per gradient.
+        collective_keys: shared with the strategy's other collectives.
+    """
+
+    def __init__(self, devices, group_size, options, density, collective_keys=None):
+        super().__init__(devices, group_size, options, collective_keys)
+        self.density = density
+        #: A `tfstrat.reduce.ring.Ring` when dense all-reduces go over tfstrat's TCP ring
+        #: (one device per worker); None: TensorFlow's collectives.
+        self.ring = None
+        self._last_ring_op = weakref.WeakKeyDictionary()  # graph -> its last ring op
+        #: What replica 0 sent, recorded at trace time: `("all_reduce", [shapes])` for a dense
+        #: pack, `("all_gather", shape)` for a packed sparse gradient. For tests and debugging.
+        self.traced: list[tuple] = []
+        #: `(kind, bytes this worker hands to the collective)` for the last traced call
+        #: (a training step's gradients, when the last function traced was a train step).
+        self.last_call: list[tuple[str, int]] = []
+
+    def _record(self, replica_id, kind, shapes, nbytes):
+        if replica_id != 0 or tf.executing_eagerly():  # traced steps only, not metric reads
+            return
+        self.traced.append((kind, shapes))
+        self.last_call.append((kind, nbytes))
+
+    def bytes_sent_per_worker(self) -> int:
+        """Bytes one worker sends for the last traced call, by ring-collective arithmetic:
+        an all-reduce of S bytes sends 2(n-1)/n x S; an all-gather of S sends (n-1) x S."""
+        n = self._group_size
+        total = 0
+        for kind, nbytes in self.last_call:
+            total += nbytes * (2 * (n - 1) / n if kind == "all_reduce" else n - 1)
+        return int(total)
+
+    def _all_reduce(self, reduce_op, value, replica_id, options):
+        flat = nest.flatten(value)
+        if replica_id == 0 and not tf.executing_eagerly():
+            self.last_call = []
+        rows = {}  # position -> static row count before dedup (dedup's count is dynamic)
+        for i, v in enumerate(flat):
+            if isinstance(v, tf.IndexedSlices):
+                densify = self.density.densify(v, self._group_size)
+                rows[i] = sparse.static_rows(v)
+                with tf.device(self._devices[replica_id]):
+                    v = sparse.dedup(v)
+                    flat[i] = tf.convert_to_tensor(v) if densify else v
+                if densify:
+                    del rows[i]
+        dense_at = [i for i in range(len(flat)) if i not in rows]
+        dense = [flat[i] for i in dense_at]
+        if dense:
+            # A tensor of unknown static size counts 0: a lower bound, never a crash.
+            nbytes = sum((t.shape.num_elements() or 0) * t.dtype.size for t in dense)
+            self._record(replica_id, "all_reduce", [tuple(t.shape) for t in dense], nbytes)
+        # Everything the TCP ring can carry goes in one exchange: the step waits once.
+        by_ring = dense_at if dense and self._ring_carries(dense) else []
+        packed = {i: n for i, n in rows.items() if self.ring is not None and _packable(flat[i])}
+        if by_ring or packed:
+            summed, gathered = self._ring_exchange(
+                reduce_op,
+                [flat[i] for i in by_ring],
+                {i: (flat[i], packed[i]) for i in packed},
+                replica_id,
+            )
+            for i, r in zip(by_ring, summed):
+                flat[i] = r
+            for i, g in gathered.items():
+                flat[i] = g
+        rest = [i for i in dense_at if i not in by_ring]
+        if rest:
+            reduced = super()._all_reduce(reduce_op, [flat[i] for i in rest], replica_id, options)
+            for i, r in zip(rest, reduced):
+                flat[i] = r
+        for i, n in rows.items():
+            if i not in packed:
+                flat[i] = self._gather_slices(reduce_op, flat[i], n, replica_id, options)
+        return nest.pack_sequence_as(value, flat)
+
+    def _ring_carries(self, dense) -> bool:
+        dtypes = {t.dtype for t in dense}
+        static = all(t.shape.is_fully_defined() for t in dense)
+        return self.ring is not None and static and len(dtypes) == 1 and dtypes.pop().is_floating
+
+    def _ring_call(self, fn, inputs, shapes, name):
+        """`fn(*inputs)` (NumPy arrays in, a list of arrays out) in the graph, after the
+        graph's previous ring call; returns the outputs with `shapes`.
+
+        Ring calls must run in the same order on every worker: within a graph each one waits
+        for the previous (control dependency); graphs and eager calls run one at a time.
+        """
+        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+        last = self._last_ring_op.get(graph) if graph is not None else None
+        with tf.control_dependencies([last] if last is not None else []):
+            outs = tf.numpy_function(
+                fn, inputs, [t.dtype for t in inputs], stateful=True, name=name
+            )
+        outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]  # one: not a list
+        if graph is not None:
+            self._last_ring_op[graph] = outs[0].op
+        for out, shape in zip(outs, shapes):
+            out.set_shape(shape)
+        return outs
+
+    def _ring_exchange(self, reduce_op, dense, slices, replica_id):
+        """One TCP ring exchange for a step: every dense tensor packed into one flat vector
+        and summed, and every sparse gradient's deduplicated rows gathered (of any count:
+        no padding). `slices`: `{position: (IndexedSlices, static rows before dedup)}`.
+        Returns the reduced dense tensors and `{position: IndexedSlices}`."""
+        ring, k = self.ring, len(dense)
+        with tf.device(self._devices[replica_id]):
+            inputs, shapes = [], []
+            if dense:
+                flat = tf.concat([tf.reshape(t, [-1]) for t in dense], 0)
+                inputs.append(flat)
+                shapes.append(flat.shape)
+            for v, rows in slices.values():
+                packed = sparse.pack_rows(v, None)
+                if rows is not None:  # an upper bound: the ring sends the deduplicated rows
+                    self._record(
+                        replica_id,
+                        "all_gather",
+                        (rows, packed.shape[1]),
+                        rows * packed.shape[1] * 4,
+                    )
+                inputs.append(packed)
+                shapes.append([None, packed.shape[1]])
+
+            def exchange(*arrays):
+                summed, gathered = ring.exchange(
+                    arrays[0] if k else None, list(arrays[1 if k else 0 :])
+                )
+                return ([summed] if k else []) + gathered
+
+            outs = self._ring_call(exchange, inputs, shapes, "tcp_exchange")
+            reduced = []
+            if dense:
+                summed = outs[0]
+                if reduce_op == tf.distribute.ReduceOp.MEAN:
+                    summed = summed / self._group_size
+                parts = tf.split(summed, [t.shape.num_elements() for t in dense])
+                reduced = [tf.reshape(p, t.shape) for p, t in zip(parts, dense)]
+            gathered = {}
+            for (i, (v, _)), everyone in zip(slices.items(), outs[1 if dense else 0 :]):
+                g = sparse.unpack_rows(everyone, v)
+                if reduce_op == tf.distribute.ReduceOp.MEAN:
+                    g = tf.IndexedSlices(g.values / self._group_size, g.indices, g.dense_shape)
+                gathered[i] = g
+        return reduced, gathered
+
+    def _gather_slices(self, reduce_op, slices, rows, replica_id, options):
+        """A sparse gradient over TensorFlow's collectives (no TCP ring)."""
+        launcher = self._launchers[replica_id]
+        with tf.device(self._devices[replica_id]):
+            if rows is None or not _packable(slices):
+                # Row count unknown or not float32: TensorFlow's 3-collective padded gather.
+                gathered = sparse.dedup(launcher.all_reduce_indexed_slices(slices, options))
+            else:
+                packed = sparse.pack_rows(slices, rows)
+                nbytes = packed.shape.num_elements() * 4
+                self._record(replica_id, "all_gather", tuple(packed.shape), nbytes)
+                gathered = sparse.unpack_rows(launcher.all_gather(packed, 0, options), slices)
+            if reduce_op == tf.distribute.ReduceOp.MEAN:
+                gathered = tf.IndexedSlices(
+                    gathered.values / self._group_size, gathered.indices, gathered.dense_shape
+                )
+        return gathered
+
+
+def _packable(slices: tf.IndexedSlices) -> bool:
+    """Whether `sparse.pack_rows` can carry the gradient: float32 rows of a static width."""
+    return slices.values.dtype == tf.float32 and slices.values.shape[1:].is_fully_defined()

@@ -1,0 +1,622 @@
+"""All-reduce and all-gather over plain TCP sockets between the workers: tfstrat's "tcp"
+transport.
+
+TensorFlow's collectives between two local processes take 2-3 ms even for 4 bytes and carry
+about 0.2-0.4 GB/s over gRPC, where one loopback TCP stream carries 4-5 GB/s (`tfstrat bench
+allreduce`). Each worker holds one TCP connection from the previous worker and one to the next.
+
+One call, `Ring.exchange`, carries everything a training step sends: a dense vector to sum and
+any number of blocks of rows to gather (sparse gradients), so a step waits for its peers once.
+- **2 workers**: each sends the other its whole vector and its blocks in one message, and sums
+  as the bytes arrive (x0 + x1 on one, x1 + x0 on the other: the same bits, addition being
+  commutative). The bytes are the ring's (S each way) in one round instead of two.
+- **3+ workers**: the classic ring (reduce-scatter, then all-gather: each worker sends
+  2(n-1)/n of the vector); the blocks travel with the reduce-scatter's messages.
+
+One thread does it all with non-blocking sockets (poll: send what the kernel takes, receive
+what has come, sum what is complete), so no thread hand-off sits on a step's path and the sum
+overlaps the transfer; a message of 4 MiB or more is sent by a second thread while the caller
+receives, so the kernel's two copies run on two cores. Buffers are kept between calls: a
+step's exchange allocates nothing but the gathered blocks (fresh memory would be page-faulted
+in every step), and its result reaches TensorFlow without a copy (`_Results`).
+
+Every message carries a header (call number, its parts' sizes), so workers that disagree on
+what they exchange fail with an error naming both sides instead of mixing data. A call fails
+when no byte moves for the ring's timeout, naming the peer it waits for.
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import socket
+import struct
+import sys
+import threading
+import time
+
+import numpy as np
+
+from tfstrat.cluster import ports as _ports
+from tfstrat.errors import RingError
+
+logger = logging.getLogger(__name__)
+
+_HEADER = struct.Struct("!QI")  # call number, number of parts; then one "!Q" size per part
+_SIZE = struct.Struct("!Q")
+_HELLO = struct.Struct("!II")  # sender rank, group size
+# A message at least this large is sent by a thread while the caller receives (measured with
+# `tfstrat bench allreduce`: below it, one thread is as fast or faster).
+_THREAD_BYTES = 1 << 22
+# Sums are done in pieces of at least this many bytes as they arrive (fewer numpy calls).
+_SUM_PIECE = 1 << 18
+
+
+class Ring:
+    """One worker's place in the ring: a connection from the previous worker, one to the next.
+
+    Args:
+        rank: this worker's index.
+        addresses: "host:port" of every worker's ring listener, by rank.
+        listener: this worker's bound, listening socket (at addresses[rank]).
+        timeout: seconds a call may go without a byte moving (and any connect may take).
+        names: how errors name each worker (e.g. TensorFlow's "/job:worker/replica:0/task:1").
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        addresses: list[str],
+        listener: socket.socket,
+        timeout: float,
+        names: list[str] | None = None,
+    ):
+        self.rank, self.size, self.timeout = rank, len(addresses), timeout
+        self.addresses = addresses
+        names = names or [f"worker {i}" for i in range(self.size)]
+        self.names = [f"{n} (ring at {a})" for n, a in zip(names, addresses)]
+        self.calls = 0
+        #: Bytes this worker has sent through the ring (headers included), for benchmarks.
+        self.bytes_sent = 0
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._scratch_buf: np.ndarray | None = None
+        self._results = _Results()
+        nxt, prev = (rank + 1) % self.size, (rank - 1) % self.size
+        self._next = _connect(addresses[nxt], timeout, self.names[nxt])
+        self._next.sendall(_HELLO.pack(rank, self.size))
+        self._prev = _accept(listener, timeout, prev, self.size, self.names[prev])
+        listener.close()
+        for s in (self._next, self._prev):
+            s.setblocking(False)
+        self._poll = select.poll()
+        self._sender = _Sender(self)
+
+    @property
+    def _next_name(self) -> str:
+        return self.names[(self.rank + 1) % self.size]
+
+    @property
+    def _prev_name(self) -> str:
+        return self.names[(self.rank - 1) % self.size]
+
+    def all_reduce(self, x: np.ndarray) -> np.ndarray:
+        """Sum of `x` over every worker (same shape and dtype on all), as a new array."""
+        return self.exchange(x, [])[0].copy()
+
+    def all_gather(self, x: np.ndarray) -> np.ndarray:
+        """Every worker's `x` concatenated along axis 0, by rank. The workers' `x` share their
+        dtype and the shape of a row (`x.shape[1:]`); the row counts may differ."""
+        return self.exchange(None, [x])[1][0]
+
+    def exchange(
+        self, reduce: np.ndarray | None, gathers: list[np.ndarray]
+    ) -> tuple[np.ndarray | None, list[np.ndarray]]:
+        """One round for a whole step: the sum of `reduce` over every worker (None: none), and
+        for each of `gathers` every worker's block concatenated along axis 0 by rank (as
+        `all_gather`). The summed array may be one of the ring's buffers, reused once
+        nothing refers to it any more (`_Results`)."""
+        with self._lock:
+            if self._error is not None:
+                raise RingError(f"the ring failed earlier and cannot be used: {self._error}")
+            self.calls += 1
+            try:
+                # asarray first: ascontiguousarray makes a 0-d array 1-d
+                gathers = [np.ascontiguousarray(np.asarray(g)) for g in gathers]
+                if reduce is not None:
+                    reduce = np.asarray(reduce)
+                    reduce = reduce if reduce.flags.c_contiguous else reduce.copy()
+                if self.size == 1:
+                    summed = None if reduce is None else np.array(reduce, copy=True)
+                    return summed, [g.copy() for g in gathers]
+                if self.size == 2:
+                    return self._pair(reduce, gathers)
+                return self._ring(reduce, gathers)
+            except BaseException as e:
+                self._error = e
+                raise
+
+    def set_timeout(self, timeout: float) -> None:
+        """Every later call may go up to `timeout` seconds without a byte moving."""
+        self.timeout = timeout
+
+    def close(self):
+        self._sender.stop()
+        for s in (self._next, self._prev):
+            try:
+                s.close()
+            except OSError:
+                pass
+
+    # -- the two algorithms ----------------------------------------------------------------
+
+    def _pair(self, reduce, gathers):
+        """Two workers: one message each way holds everything; sum as it arrives."""
+        r = self.rank
+        parts, receive = [], []
+        summed = None
+        if reduce is not None:
+            flat = reduce.reshape(-1)
+            summed = self._results.get(flat.shape, flat.dtype)
+            parts.append(_bytes_of(flat))
+            scratch = self._scratch(flat.shape, flat.dtype)
+            receive.append(_Summing(scratch, flat, summed))
+        gathered = []
+        for g in gathers:
+            parts.append(_bytes_of(g))
+            receive.append(_Rows(g, r, 2))
+        self._duplex(parts, receive)
+        for target in receive[1 if reduce is not None else 0 :]:
+            gathered.append(target.result())
+        if summed is not None:
+            summed = summed.reshape(reduce.shape)
+        return summed, gathered
+
+    def _ring(self, reduce, gathers):
+        """3+ workers: reduce-scatter then all-gather around the ring; the blocks to gather
+        ride with the reduce-scatter's messages (each goes n-1 hops)."""
+        n, r = self.size, self.rank
+        blocks = [[None] * n for _ in gathers]
+        for b, g in zip(blocks, gathers):
+            b[r] = g
+        summed = chunk = None
+        if reduce is not None:
+            flat = reduce.reshape(-1)
+            summed = self._results.get(flat.shape, flat.dtype)
+            bounds = np.linspace(0, flat.size, n + 1).astype(np.int64)
+            chunk = lambda a, i: a[bounds[i % n] : bounds[i % n + 1]]  # noqa: E731
+            scratch = self._scratch((int(bounds[1] - bounds[0]) + 1,), flat.dtype)
+        for step in range(n - 1):
+            parts, receive = [], []
+            if reduce is not None:  # reduce-scatter: chunk r+1 ends up summed here
+                sent = chunk(flat if step == 0 else summed, r - step)
+                incoming = r - step - 1
+                parts.append(_bytes_of(sent))
+                size = chunk(flat, incoming).size
+                receive.append(
+                    _Summing(scratch[:size], chunk(flat, incoming), chunk(summed, incoming))
+                )
+            for b, g in zip(blocks, gathers):
+                parts.append(_bytes_of(b[(r - step) % n]))
+                receive.append(_Rows(g, None, None))
+            self._duplex(parts, receive)
+            for b, target in zip(blocks, receive[len(receive) - len(gathers) :]):
+                b[(r - step - 1) % n] = target.result()
+        if reduce is not None:
+            for step in range(n - 1):  # all-gather: pass the summed chunks around
+                target = chunk(summed, r - step)
+                self._duplex([_bytes_of(chunk(summed, r + 1 - step))], [_Into(target)])
+            summed = summed.reshape(reduce.shape)
+        return summed, [np.concatenate(b, axis=0) for b in blocks]
+
+    def _scratch(self, shape, dtype) -> np.ndarray:
+        """The receive buffer, kept between calls (fresh memory would be page-faulted in every
+        step); never returned to the caller. One size at a time: a model's steps repeat it."""
+        if (
+            self._scratch_buf is None
+            or self._scratch_buf.shape != tuple(shape)
+            or (self._scratch_buf.dtype != np.dtype(dtype))
+        ):
+            self._scratch_buf = np.empty(shape, dtype)
+        return self._scratch_buf
+
+    # -- one duplex round: send `parts` to the next worker, receive into `receive` ------------
+
+    def _duplex(self, parts: list[memoryview], receive: list):
+        header = _HEADER.pack(self.calls, len(parts)) + b"".join(
+            _SIZE.pack(p.nbytes) for p in parts
+        )
+        outgoing = [memoryview(header)] + [p for p in parts if p.nbytes]
+        self.bytes_sent += sum(p.nbytes for p in outgoing)
+        incoming = _Incoming(self, receive)
+        if sum(p.nbytes for p in parts) >= _THREAD_BYTES:
+            # Large: the kernel's copies of the send and of the receive run on two cores.
+            self._sender.send(outgoing)
+            try:
+                self._receive(incoming)
+            finally:
+                self._sender.wait()
+            return
+        poll = self._poll
+        poll.register(self._next, select.POLLOUT)
+        poll.register(self._prev, select.POLLIN)
+        sending = receiving = True
+        try:
+            while True:
+                if sending and not self._send_some(outgoing):
+                    sending = False
+                    poll.unregister(self._next)
+                if receiving and incoming.receive_some():
+                    receiving = False
+                    poll.unregister(self._prev)
+                if not (sending or receiving):
+                    return
+                if not poll.poll(self.timeout * 1000):
+                    raise RingError(
+                        f"{self._prev_name} sent nothing for {self.timeout} s"
+                        if receiving
+                        else f"sending to {self._next_name} took over {self.timeout} s"
+                    )
+        finally:
+            for s in (self._next, self._prev):
+                try:
+                    poll.unregister(s)
+                except KeyError:
+                    pass
+
+    def _receive(self, incoming: _Incoming):
+        poll = self._poll
+        poll.register(self._prev, select.POLLIN)
+        try:
+            while not incoming.receive_some():
+                if not poll.poll(self.timeout * 1000):
+                    raise RingError(f"{self._prev_name} sent nothing for {self.timeout} s")
+        finally:
+            poll.unregister(self._prev)
+
+    def _send_some(self, outgoing: list[memoryview]) -> bool:
+        """Sends what the kernel takes now; False once everything is sent."""
+        while outgoing:
+            try:
+                sent = self._next.sendmsg(outgoing[:64])
+            except BlockingIOError:
+                return True
+            except OSError as e:
+                raise RingError(f"sending to {self._next_name} failed: {e!r}") from e
+            while sent and outgoing:
+                head = outgoing[0]
+                if sent >= head.nbytes:
+                    sent -= head.nbytes
+                    outgoing.pop(0)
+                else:
+                    outgoing[0] = head[sent:]
+                    sent = 0
+        return False
+
+
+class _Results:
+    """Result buffers kept between calls, each reused only once nothing refers to it.
+
+    `tf.numpy_function` does not always copy what it returns: an array aligned to 64 bytes
+    becomes the output tensor's memory (TF 2.21; a misaligned one is copied), and the tensor
+    keeps a reference to it until TensorFlow frees the tensor. So a buffer is handed out again
+    only while its reference count is what the pool alone holds; else another one is made.
+    Buffers are 64-byte aligned, so the step's result reaches TensorFlow without a copy.
+    """
+
+    _KEEP = 4  # buffers per shape; past that, one-off arrays
+    _SHAPES = 16  # shapes remembered (a model's steps repeat a few)
+
+    def __init__(self):
+        self._pool: dict[tuple, list[list]] = {}  # key -> [[memory, array, count alone]]
+
+    def get(self, shape, dtype) -> np.ndarray:
+        key = (tuple(shape), np.dtype(dtype))
+        entries = self._pool.setdefault(key, [])
+        for entry in entries:
+            if _references(entry) == entry[2]:
+                return entry[1]
+        memory, array = _aligned(shape, dtype)
+        entry = [memory, array, 0]
+        del memory  # counted as the checks above count it: the entry, `array.base`
+        entry[2] = _references(entry)
+        if len(entries) < self._KEEP:
+            entries.append(entry)
+        if len(self._pool) > self._SHAPES:
+            self._pool.pop(next(iter(self._pool)))
+        return array
+
+
+def _references(entry: list) -> int:
+    return sys.getrefcount(entry[0])
+
+
+def _aligned(shape, dtype, align: int = 64) -> tuple[np.ndarray, np.ndarray]:
+    """(the memory, an array of `shape` on it starting at a multiple of `align`)."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    memory = np.empty(nbytes + align, np.uint8)
+    start = -memory.ctypes.data % align
+    return memory, memory[start : start + nbytes].view(dtype).reshape(shape)
+
+
+class _Sender:
+    """The thread that sends a large message while the caller receives the previous
+    worker's."""
+
+    def __init__(self, ring: Ring):
+        self.ring = ring
+        self.poll = select.poll()
+        self.work = threading.Condition()
+        self.outgoing: list | None = None
+        self.error: str | None = None
+        self.busy = self.stopped = False
+        threading.Thread(target=self._loop, name="tfstrat-ring-send", daemon=True).start()
+
+    def stop(self):
+        """Ends the thread (after the message it may be sending)."""
+        with self.work:
+            self.stopped = True
+            self.work.notify_all()
+
+    def send(self, outgoing: list[memoryview]):
+        with self.work:
+            self.outgoing, self.error, self.busy = outgoing, None, True
+            self.work.notify_all()
+
+    def wait(self):
+        ring = self.ring
+        with self.work:  # the sender's own poll gives up after the timeout; this is a backstop
+            if not self.work.wait_for(lambda: not self.busy, 2 * ring.timeout + 1):
+                self.error = f"sending to {ring._next_name} took over {ring.timeout} s"
+        if self.error:
+            raise RingError(self.error)
+
+    def _loop(self):
+        ring = self.ring
+        while True:
+            with self.work:
+                self.work.wait_for(lambda: self.outgoing is not None or self.stopped)
+                if self.outgoing is None:  # stopped
+                    return
+                outgoing, self.outgoing = self.outgoing, None
+            error = None
+            try:
+                self.poll.register(ring._next, select.POLLOUT)
+                while ring._send_some(outgoing):
+                    if not self.poll.poll(ring.timeout * 1000):
+                        error = f"sending to {ring._next_name} took over {ring.timeout} s"
+                        break
+            except (RingError, OSError, ValueError) as e:  # ValueError: closed meanwhile
+                error = str(e)
+            finally:
+                try:
+                    self.poll.unregister(ring._next)
+                except (KeyError, ValueError):
+                    pass
+            with self.work:
+                self.error, self.busy = error, False
+                self.work.notify_all()
+
+
+class _Incoming:
+    """The receiving side of one duplex round: the header, then each part into its target."""
+
+    def __init__(self, ring: Ring, targets: list):
+        self.ring, self.targets = ring, targets
+        self.header = bytearray(_HEADER.size + _SIZE.size * len(targets))
+        self.got = 0  # bytes of the header read
+        self.part = -1  # index of the part being read (-1: the header)
+        self.done = False
+
+    def receive_some(self) -> bool:
+        """Reads what has come; True once every part is in."""
+        ring = self.ring
+        while not self.done:
+            if self.part >= 0:
+                view = self.targets[self.part].view()
+            elif self.got < _HEADER.size:  # the count first: the sizes' length depends on it
+                view = memoryview(self.header)[self.got : _HEADER.size]
+            else:
+                view = memoryview(self.header)[self.got :]
+            try:
+                n = ring._prev.recv_into(view)
+            except BlockingIOError:
+                return False
+            except OSError as e:
+                raise RingError(f"receiving from {ring._prev_name} failed: {e!r}") from e
+            if n == 0:
+                raise RingError(
+                    f"{ring._prev_name} closed the connection: it failed or stopped early "
+                    "(stop_training, an exception, or the end of its data); its own output "
+                    "says why"
+                )
+            if self.part >= 0:
+                target = self.targets[self.part]
+                target.received(n)
+                if target.full:
+                    target.finish()
+                    self._next_part()
+                continue
+            self.got += n
+            if self.got == _HEADER.size:
+                self._check_count()
+            if self.got == len(self.header):
+                self._check_sizes()
+                self._next_part()
+        return True
+
+    def _next_part(self):
+        self.part += 1
+        while self.part < len(self.targets) and self.targets[self.part].full:
+            self.targets[self.part].finish()  # an empty part
+            self.part += 1
+        self.done = self.part >= len(self.targets)
+
+    def _check_count(self):
+        call, count = _HEADER.unpack_from(self.header)
+        if call != self.ring.calls or count != len(self.targets):
+            self._mismatch(f"call {call} with {count} part(s)", f"{len(self.targets)} part(s)")
+
+    def _check_sizes(self):
+        for i, target in enumerate(self.targets):
+            (nbytes,) = _SIZE.unpack_from(self.header, _HEADER.size + i * _SIZE.size)
+            if not target.accepts(nbytes):
+                self._mismatch(f"call {self.ring.calls} with {nbytes} bytes", target.expected)
+
+    def _mismatch(self, sent: str, expected: str):
+        ring = self.ring
+        raise RingError(
+            f"{ring._prev_name} sent {sent}; {ring.names[ring.rank]} expected call "
+            f"{ring.calls} with {expected}. The workers are at different places of their "
+            "programs: a worker stopped early (stop_training, an exception, or the end of its "
+            "data), or they run different programs or models."
+        )
+
+
+class _Into:
+    """A part received straight into a fixed array."""
+
+    def __init__(self, target: np.ndarray):
+        self.bytes = _bytes_of(target)
+        self.got = 0
+        self.expected = f"{self.bytes.nbytes} bytes"
+
+    def accepts(self, nbytes: int) -> bool:
+        return nbytes == self.bytes.nbytes
+
+    def view(self) -> memoryview:
+        return self.bytes[self.got :]
+
+    def received(self, n: int):
+        self.got += n
+
+    @property
+    def full(self) -> bool:
+        return self.got >= self.bytes.nbytes
+
+    def finish(self):
+        pass
+
+
+class _Summing(_Into):
+    """A part received into `scratch` and summed with `mine` into `out` as it arrives."""
+
+    def __init__(self, scratch: np.ndarray, mine: np.ndarray, out: np.ndarray):
+        super().__init__(scratch)
+        self.scratch, self.mine, self.out = scratch, mine, out
+        self.item = scratch.dtype.itemsize
+        self.summed = 0  # elements summed so far
+
+    def received(self, n: int):
+        self.got += n
+        ready = self.got // self.item
+        if (ready - self.summed) * self.item >= _SUM_PIECE:
+            self._sum(ready)
+
+    def finish(self):
+        self._sum(self.got // self.item)
+
+    def _sum(self, upto: int):
+        s = slice(self.summed, upto)
+        np.add(self.mine[s], self.scratch[s], out=self.out[s])
+        self.summed = upto
+
+
+class _Rows(_Into):
+    """Another worker's block of rows (any count); with `rank`/`size` (2 workers), received
+    into its place of the concatenation, next to this worker's own `mine` block."""
+
+    def __init__(self, mine: np.ndarray, rank: int | None, size: int | None):
+        self.mine, self.rank, self.size = mine, rank, size
+        self.row_shape = mine.shape[1:]
+        self.row_bytes = int(np.prod(self.row_shape, dtype=np.int64)) * mine.dtype.itemsize
+        self.expected = f"a multiple of {self.row_bytes} bytes"
+        self.out = None
+
+    def accepts(self, nbytes: int) -> bool:
+        ok = nbytes % self.row_bytes == 0 if self.row_bytes else nbytes == 0
+        if ok:
+            rows = nbytes // self.row_bytes if self.row_bytes else 0
+            if self.rank is None:
+                self.block = np.empty((rows, *self.row_shape), self.mine.dtype)
+            else:  # both blocks in one array, by rank: no concatenation after
+                mine = self.mine.shape[0]
+                self.out = np.empty((mine + rows, *self.row_shape), self.mine.dtype)
+                here = slice(0, mine) if self.rank == 0 else slice(rows, rows + mine)
+                self.out[here] = self.mine
+                self.block = self.out[mine:] if self.rank == 0 else self.out[:rows]
+            self.bytes, self.got = _bytes_of(self.block), 0
+        return ok
+
+    def result(self) -> np.ndarray:
+        return self.out if self.out is not None else self.block
+
+
+def _bytes_of(array: np.ndarray) -> memoryview:
+    """The bytes of a contiguous array as a writable-if-the-array-is view (any dtype, even
+    ones the buffer protocol cannot cast, such as bfloat16)."""
+    return memoryview(array.reshape(-1).view(np.uint8))
+
+
+def listen(host: str, port: int = 0, task: str = "this worker") -> socket.socket:
+    """A listening socket on `host`:`port` (0: the OS picks) for `Ring`'s previous worker."""
+    return _ports.listen(host, port, task, "ring")
+
+
+def _tune(s: socket.socket, timeout: float) -> socket.socket:
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    import os
+
+    if os.environ.get("XBUF"):
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, int(os.environ["XBUF"]))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, int(os.environ["XBUF"]))
+    s.settimeout(timeout)
+    return s
+
+
+def _connect(address: str, timeout: float, who: str) -> socket.socket:
+    host, port = _ports.split(address)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return _tune(socket.create_connection((host, int(port)), timeout=timeout), timeout)
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise RingError(
+                    f"Could not connect to {who} within {timeout} s ({e}). Is it running?"
+                ) from e
+            time.sleep(0.05)
+
+
+def _accept(
+    listener: socket.socket, timeout: float, rank: int, size: int, who: str
+) -> socket.socket:
+    listener.settimeout(timeout)
+    try:
+        conn, _ = listener.accept()
+    except TimeoutError as e:
+        raise RingError(f"{who} did not connect to this worker's ring within {timeout} s") from e
+    conn = _tune(conn, timeout)
+    got_rank, got_size = _HELLO.unpack(_read(conn, _HELLO.size, who, timeout))
+    if (got_rank, got_size) != (rank, size):
+        raise RingError(
+            f"expected worker {rank} of {size} to connect, got worker {got_rank} of {got_size}"
+        )
+    return conn
+
+
+def _read(s: socket.socket, n: int, peer: str, timeout: float) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        try:
+            k = s.recv_into(view[got:])
+        except TimeoutError as e:
+            raise RingError(f"{peer} sent nothing for {timeout} s") from e
+        except OSError as e:
+            raise RingError(f"receiving from {peer} failed: {e!r}") from e
+        if k == 0:
+            raise RingError(f"{peer} closed the connection during the ring's start-up")
+        got += k
+    return bytes(buf)

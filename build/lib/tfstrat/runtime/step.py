@@ -1,0 +1,18 @@
+"""The step being traced, per replica thread: what the strategies' exact step records
+(`tfstrat.strategies._exact_step`) and what reads it while the same step is traced (Hybrid's
+ps-held tables weight their pushes by the replica's rows, `tfstrat.ps.remote`)."""
+
+import threading
+
+
+class _Step(threading.local):
+    """The step being traced, per replica: MirroredStrategy traces each replica in a thread."""
+
+    rows = None  # this replica's rows (scalar int32 tensor), while a train_step is traced
+    pending = None  # deferred apply_gradients calls (Keras's default train_step), or None
+    scaled = False  # Keras divided a loss by the replica count in this step
+    metrics = None  # metrics whose states ride in the gradient all-reduce
+    states = None  # their all-reduced states, once the reduce has run
+
+
+_step = _Step()

@@ -1,0 +1,93 @@
+"""Start-up of a multi-worker strategy that cannot hang: every peer must join within `timeout`.
+
+TensorFlow's `context.ensure_initialized()` (TF 2.21) waits for every chief and worker task to
+join its coordination service, forever, whatever `CommunicationOptions.timeout_seconds` says,
+and it holds Python's GIL while it waits: no thread of this process runs, no Python signal
+handler either (SIGTERM is ignored). So the watchdog is a tiny separate process: if start-up
+has not finished after `timeout` seconds, it prints one line naming the tasks that never
+answered (a TCP connect to each peer's TF_CONFIG address tells a task that is not listening
+from one that is) and kills this process (SIGKILL: nothing else gets through).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+
+from tfstrat.cluster import TFConfig
+from tfstrat.cluster.ports import accepts
+
+
+def peers(tf_config: TFConfig) -> list[tuple[str, str]]:
+    """(task name, address) of every chief and worker task but this one."""
+    me = (tf_config.task_type, tf_config.task_index)
+    return [
+        (f"{job}:{i}", address)
+        for job in ("chief", "worker")
+        for i, address in enumerate(tf_config.addresses(job))
+        if (job, i) != me
+    ]
+
+
+def diagnosis(me: str, everyone: list[tuple[str, str]], timeout: float) -> str:
+    """The line printed when the cluster did not come up in time."""
+    silent = [f"{name} at {address}" for name, address in everyone if not accepts(address)]
+    if silent:
+        return (
+            f"tfstrat: {me}: {', '.join(silent)} did not come up within {timeout:g} s "
+            "(nothing listens there). Start every task of TF_CONFIG's cluster (`tfstrat "
+            "launch`, or one process per task), check the addresses, or raise `timeout=`."
+        )
+    listed = ", ".join(f"{name} at {address}" for name, address in everyone)
+    return (
+        f"tfstrat: {me}: the cluster did not come up within {timeout:g} s: {listed} listen "
+        "but did not join (a task stopped, still starting, or given another TF_CONFIG?). "
+        "Run the same program with the same cluster on every task, or raise `timeout=`."
+    )
+
+
+def _watch(argv: list[str]) -> None:
+    """The watchdog process: `python -m tfstrat.strategies._startup FD PID TIMEOUT ME PEERS`."""
+    import select
+    import signal
+
+    fd, pid, timeout = int(argv[0]), int(argv[1]), float(argv[2])
+    me, everyone = argv[3], [tuple(p) for p in json.loads(argv[4])]
+    ready, _, _ = select.select([fd], [], [], timeout)
+    if ready:  # start-up finished (the pipe closed) or the process died
+        return
+    message = diagnosis(me, everyone, timeout)
+    if select.select([fd], [], [], 0)[0]:  # finished while we probed
+        return
+    print(message, file=sys.stderr, flush=True)
+    os.kill(pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def watchdog(tf_config: TFConfig | None, timeout: float | None):
+    """Kills this process with a message naming the missing peers if the body (TensorFlow's
+    blocking cluster start-up) takes longer than `timeout` seconds."""
+    if tf_config is None or not peers(tf_config) or not timeout:
+        yield
+        return
+    me = f"{tf_config.task_type}:{tf_config.task_index}"
+    read, write = os.pipe()
+    argv = [str(read), str(os.getpid()), str(timeout), me, json.dumps(peers(tf_config))]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tfstrat.strategies._startup", *argv],
+        pass_fds=(read,),
+        stdin=subprocess.DEVNULL,
+    )
+    os.close(read)
+    try:
+        yield
+    finally:
+        os.close(write)  # the watchdog sees end-of-file and exits
+        proc.wait()
+
+
+if __name__ == "__main__":
+    _watch(sys.argv[1:])

@@ -1,0 +1,540 @@
+"""`CollectiveAllReduce`: one process per worker, synchronous all-reduce, fixed for Keras 3.
+
+Stock `MultiWorkerMirroredStrategy` fails inside Keras 3 `fit` (TF 2.21 / Keras 3.15): its
+`_reduce_to` does not map over nested structures, and `reduce(MEAN, scalar, axis=0)` of the
+per-step logs raises "Invalid reduction dimension" (keras#20585). It also runs a cross-worker
+"does any replica still have data" all-reduce every step. This subclass fixes both failures and
+drops the per-step check by giving every worker a slice of every global batch. It stays a
+`MultiWorkerMirroredStrategy`: Keras gathers `predict` outputs across workers only for those.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import weakref
+from collections.abc import Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from tfstrat._compat.tf import collective_all_reduce_strategy as _cars
+from tfstrat._compat.tf import context, cross_device_utils, distribute_lib, input_util, nest
+from tfstrat._compat.tf import values as _values
+from tfstrat.cluster import TFConfig
+from tfstrat.cluster import ports as _ports
+from tfstrat.errors import UsageError
+from tfstrat.keras import _fit_scope
+from tfstrat.reduce import ring
+from tfstrat.reduce.cross_device import SparseAwareAllReduce
+from tfstrat.reduce.sparse import DensityPolicy
+from tfstrat.strategies import _common, _reuse, _startup, _stopping
+from tfstrat.strategies import agreement as _agreement
+
+logger = logging.getLogger(__name__)
+
+_SUM, _MEAN = tf.distribute.ReduceOp.SUM, tf.distribute.ReduceOp.MEAN
+DEFAULT_TIMEOUT = 300.0
+
+
+def _in_nested_control_flow() -> bool:
+    """True while tracing a tf.function that is itself traced inside a while/cond."""
+    g = tf.compat.v1.get_default_graph()
+    while getattr(g, "is_control_flow_graph", False):
+        g = g.outer_graph
+    g = getattr(g, "outer_graph", None)
+    while g is not None:
+        if getattr(g, "is_control_flow_graph", False):
+            return True
+        g = getattr(g, "outer_graph", None)
+    return False
+
+
+class _CollectiveLauncher(cross_device_utils.CollectiveReplicaLauncher):
+    """Instance keys from a counter variable inside nested control flow.
+
+    Keras runs `steps_per_execution > 1` steps in a while loop; there the call-time instance
+    key (cross_device_utils.py, TF 2.21) is never fed ("You must feed a value for placeholder
+    tensor 'while/cond/Placeholder'"), and a trace-time key breaks when a shape changes between
+    iterations. A counter shared by the strategy's launchers gives each launch its own key.
+    """
+
+    counter = None
+
+    def _next_instance_key(self):
+        if self._use_unique_instance_key() and _in_nested_control_flow():
+            return tf.convert_to_tensor(self.counter.assign_add(1))
+        return super()._next_instance_key()
+
+
+class _Extended(_cars.CollectiveAllReduceExtended):
+    def __init__(self, container, resolver, options, local_devices, density):
+        self._local_device_count = local_devices
+        self._density = density
+        if getattr(container, "_tfstrat_reused", False):  # a running server: `_reuse`
+            self._std_server_started, self._enable_check_health = True, False
+        super().__init__(container, cluster_resolver=resolver, communication_options=options)
+        counter = tf.Variable(1 << 30, dtype=tf.int32, trainable=False, name="collective_key")
+        for ops in (self._cross_device_ops, self._host_cross_device_ops):
+            for launcher in ops._launchers:  # our own objects: specialised, TF is not patched
+                launcher.__class__, launcher.counter = _CollectiveLauncher, counter
+
+    def _initialize_local_devices(self, cluster_resolver, worker_device):
+        if not self._local_device_count:
+            return super()._initialize_local_devices(cluster_resolver, worker_device)
+        n = self._local_device_count
+        return tuple(f"{worker_device}/device:CPU:{i}" for i in range(n)), "CPU"
+
+    def _initialize_strategy(self, cluster_resolver, devices):
+        super()._initialize_strategy(cluster_resolver, devices)
+        stock = self._cross_device_ops
+        self._cross_device_ops = SparseAwareAllReduce(
+            stock._devices,
+            stock._group_size,
+            self._communication_options,
+            self._density,
+            collective_keys=self._collective_keys,
+        )
+
+    def _experimental_distribute_dataset(self, dataset, options):
+        _common.check_not_empty(dataset)
+        return _common.name_empty_input(self._distribute(dataset, options))
+
+    def _distribute(self, dataset, options):
+        """Worker w takes rows [w*n//W, (w+1)*n//W) of every global batch of n rows.
+
+        Every worker sees the same number of batches, so no per-step cross-worker check for
+        exhausted input is needed. Keras batches with the global batch size; the slices keep
+        single-device order. Falls back to TensorFlow's sharding where slicing cannot apply.
+        A dataset read from files is sharded by file instead (`_input_files`: each worker reads
+        only its share of the files), unless it asks for AutoShardPolicy.DATA.
+        """
+        from tfstrat.strategies import _input_files
+
+        by_file = _input_files.distribute(self, dataset, options)
+        if by_file is not None:
+            return by_file
+        workers = self._num_workers
+        specs = nest.flatten(dataset.element_spec)
+        per_replica = options is not None and (
+            options.experimental_replication_mode == distribute_lib.InputReplicationMode.PER_REPLICA
+        )
+        sliceable = all(isinstance(s, tf.TensorSpec) and s.shape.rank for s in specs)
+        plain = _common.plain_input_options(self.worker_devices, options)
+        if workers == 1 and plain is not None:  # one CPU device: a plain iterator on the host
+            return input_util.get_distributed_dataset(
+                dataset,
+                self._input_workers_with_options(),
+                self._container_strategy(),
+                num_replicas_in_sync=1,
+                input_context=self._make_input_context(),
+                options=plain,
+            )
+        if workers == 1 or per_replica or len(self.worker_devices) != 1 or not sliceable:
+            _log_once(
+                "input",
+                "tfstrat: input sharded by TensorFlow's auto-shard policy "
+                "(rebatch + shard; a per-step check for exhausted input runs)",
+            )
+            return super()._experimental_distribute_dataset(dataset, options)
+        _log_once("input", "tfstrat: input sharded by data: each worker slices every global batch")
+        index, is_tuple = self._id_in_cluster, type(dataset.element_spec) is tuple
+
+        def take(*args):
+            element = args if is_tuple else args[0]
+            n = tf.shape(nest.flatten(element)[0], out_type=tf.int64)[0]
+            lo, hi = (index * n) // workers, ((index + 1) * n) // workers
+            return nest.map_structure(lambda t: t[lo:hi], element)
+
+        data_options = tf.data.Options()
+        data_options.experimental_distribute.auto_shard_policy = (
+            tf.data.experimental.AutoShardPolicy.OFF
+        )
+        sliced = dataset.map(take).with_options(data_options)
+        saved = self.experimental_enable_get_next_as_optional
+        self.experimental_enable_get_next_as_optional = False
+        try:  # num_replicas_in_sync=None: no rebatch
+            return input_util.get_distributed_dataset(
+                sliced,
+                self._input_workers_with_options(options),
+                self._container_strategy(),
+                num_replicas_in_sync=None,
+                input_context=self._make_input_context(),
+                options=plain or options,
+            )
+        finally:
+            self.experimental_enable_get_next_as_optional = saved
+
+    def _create_variable(self, next_creator, **kwargs):
+        """A variable's initial value is broadcast from the chief as it is created; workers
+        that build different models fail there, in TensorFlow's words. Say it in ours too."""
+        try:
+            return super()._create_variable(next_creator, **kwargs)
+        except tf.errors.InvalidArgumentError as e:
+            if "Shape mismatch" not in str(e):
+                raise
+            detail = str(e).split("Shape mismatch", 1)[1].split(". This is", 1)[0]
+            raise _agreement.AgreementError(
+                f"tfstrat: worker {self._id_in_cluster} creating variable "
+                f"{kwargs.get('name')!r}: another worker created a variable of another shape "
+                f"at the same place (shape mismatch{detail}). Run the same model code on "
+                "every task."
+            ) from e
+
+    def _reduce_to(self, reduce_op, value, destinations, options):
+        if nest.is_nested(value):  # stock MWMS hands the whole structure to one collective
+            return nest.map_structure(
+                lambda v: self._reduce_to(reduce_op, v, destinations, options), value
+            )
+        return super()._reduce_to(reduce_op, value, destinations, options)
+
+
+_logged: set[str] = set()
+
+
+def _log_once(key: str, message: str):
+    if key not in _logged:
+        _logged.add(key)
+        logger.info(message)
+
+
+class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWorkerMirroredStrategy):
+    """Synchronous data parallelism with one process per worker, for Keras 3 `fit`.
+
+    The cluster comes from `TF_CONFIG` (or `tf_config`); without one, the process trains alone.
+    Dense gradients go out in one packed all-reduce per step (tfstrat's TCP ring on CPU
+    workers with one device each, else TensorFlow's ring or NCCL); sparse gradients are
+    deduplicated and all-gathered in one call, or densified above the `sparse_as_dense`
+    threshold. Clipping set on the optimizer of a model that `fit` trains here
+    applies to the all-reduced gradient, as in single-device training. NumPy inputs shuffled by
+    Keras are shuffled alike on every worker (a shared TensorFlow seed, set if none is).
+
+    Create it first in the program, before any other TensorFlow op, on every worker alike.
+
+    Args:
+        tf_config: the cluster; None reads the `TF_CONFIG` environment variable.
+        devices: logical CPU devices per worker (split with `tfstrat.split_cpu(n)` first), or
+            None for every GPU, else one CPU.
+        communication: "auto", "tcp", "ring" or "nccl". "tcp": dense gradients go over
+            tfstrat's ring of TCP connections between the workers (one device per worker);
+            "ring"/"nccl": TensorFlow's collectives. "auto": tcp on CPU-only workers with one
+            device each, NCCL on 2+ GPUs, else TensorFlow's ring.
+        pack_bytes: split dense gradients into packs of about this many bytes (overlaps
+            communication with the backward pass); None sends them in one pack.
+        sparse_as_dense: "auto", a fraction in (0, 1], True or False (`DensityPolicy`).
+        timeout: seconds a collective may wait for a peer before failing with an error.
+
+    Environment:
+        TF_CONFIG: the cluster and this task, as `tfstrat launch` or Kubeflow set it.
+
+    Example:
+        >>> # tfstrat launch --workers 2 -- python train.py, where train.py holds:
+        >>> strategy = tfstrat.CollectiveAllReduce()  # doctest: +SKIP
+        >>> with strategy.scope():  # doctest: +SKIP
+        ...     model = build_model(); model.compile(optimizer="adam", loss="mse")
+        >>> model.fit(x, y, batch_size=64)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        tf_config: TFConfig | None = None,
+        *,
+        devices: int | Sequence[str] | None = None,
+        communication: str = "auto",
+        pack_bytes: int | None = None,
+        sparse_as_dense: str | float | bool = "auto",
+        timeout: float | None = DEFAULT_TIMEOUT,
+        _agree_on: dict | None = None,
+    ):
+        tf_config = tf_config if tf_config is not None else _env_config()
+        resolver = tf_config.resolver() if tf_config else None
+        if tf_config is not None and tf_config.addresses("ps"):
+            raise UsageError(
+                f"Received: a TF_CONFIG with ps tasks {list(tf_config.addresses('ps'))}. "
+                "CollectiveAllReduce uses workers only; drop the ps tasks or use "
+                "tfstrat.ParameterServer / tfstrat.Hybrid."
+            )
+        count = devices if isinstance(devices, int) or devices is None else len(devices)
+        if count and count > 1:
+            _check_cpu_split(count)
+        names = [f"/device:CPU:{i}" for i in range(count)] if count else []
+        tcp = _use_tcp(communication, count, tf_config)
+        implementation = _common.communication_implementation(
+            "ring" if communication == "tcp" else communication,
+            names or [f"/device:GPU:{i}" for i in range(_num_gpus())],
+        )
+        options = tf.distribute.experimental.CommunicationOptions(
+            bytes_per_pack=pack_bytes or 0,
+            timeout_seconds=timeout,
+            implementation=implementation,
+        )
+        self.density = DensityPolicy(sparse_as_dense)
+        self.tf_config = tf_config
+        import faulthandler
+
+        faulthandler.enable()  # a worker that crashes (SIGSEGV) prints its Python stacks
+        _seed_shuffles()
+        reused = _reuse.enter(self, tf_config)  # raises for another TF_CONFIG
+        from tfstrat.keras import _saving
+
+        _saving.install()  # model.save on every worker: the chief writes
+        with _startup.watchdog(tf_config, None if reused else timeout):
+            # MWMS.__init__ hard-codes its extended class; this is its body with ours.
+            try:
+                distribute_lib.Strategy.__init__(
+                    self, _Extended(self, resolver, options, count, self.density)
+                )
+            except RuntimeError as e:
+                if "at program startup" not in str(e):
+                    raise
+                raise RuntimeError(
+                    f"tfstrat: {type(self).__name__} was created after this process had run "
+                    "TensorFlow ops (TensorFlow: 'Collective ops must be configured at program "
+                    "startup'). Create the strategy first, before building a model, a dataset, "
+                    "a Keras optimizer or a tf.Variable: `strategy = tfstrat."
+                    f"{type(self).__name__}(...)` (or `tfstrat.auto()`) at the top of the "
+                    "script, then the model inside `with strategy.scope():`."
+                ) from e
+            if tcp:
+                t = timeout or DEFAULT_TIMEOUT
+                ring_ = _reuse.ring(lambda: self._connect_ring(t), t)
+                self.extended._cross_device_ops.ring = ring_
+        self.timeout = timeout or DEFAULT_TIMEOUT  # waits on other tasks outside collectives
+        self._stop = None
+        # Models, not ids: a new model can reuse a collected one's id on one worker only.
+        self._agreed_models = weakref.WeakSet()
+        self._agreement_options = {
+            "strategy": type(self).__name__,
+            "communication": communication,
+            "devices": count or 0,
+            "pack_bytes": pack_bytes or 0,
+            "sparse_as_dense": str(sparse_as_dense),
+            **(_agree_on or {}),
+        }
+        if self.extended._num_workers > 1:
+            _fit_scope.note_multi_worker(self)  # a fit outside its scope is warned about
+            self._stop = _stopping.StopAgreement(self._epoch_sum, _task_name_of(tf_config))
+            self._agree(_agreement.describe(tf_config, (), self._agreement_options))
+        logger.info(
+            "tfstrat: CollectiveAllReduce, worker %d of %d, %d replica(s) in sync, %s, "
+            "timeout %s s",
+            self.extended._id_in_cluster,
+            self.extended._num_workers,
+            self.num_replicas_in_sync,
+            "tcp ring (dense), TensorFlow ring (the rest)" if tcp else implementation.name.lower(),
+            timeout,
+        )
+        if tf_config is None:  # e.g. `python train.py` where `tfstrat launch` was meant
+            logger.info(
+                "tfstrat: no TF_CONFIG, so this process is the only worker; for more, run it "
+                "under `tfstrat launch --workers N -- python ...` (or set TF_CONFIG per task)"
+            )
+
+    def _connect_ring(self, timeout: float) -> ring.Ring:
+        """Every worker listens on its tfstrat port (TF_CONFIG port + 1) at its own address
+        towards its ring neighbours; one all-gather tells the others that address."""
+        # Ranks as TensorFlow's: the chief first, then the workers.
+        tasks = [
+            (f"/job:{job}/replica:0/task:{i}", address)
+            for job in ("chief", "worker")
+            for i, address in enumerate(self.tf_config.addresses(job))
+        ]
+        rank, size = self.extended._id_in_cluster, len(tasks)
+        mine = tasks[rank][1]
+        neighbours = [tasks[(rank + 1) % size][1], tasks[(rank - 1) % size][1]]
+        host = _ports.route_source(neighbours) or _ports.wildcard(_ports.split(mine)[0])
+        port = _ports.tfstrat_port(mine)
+        listener = ring.listen(host, port, _task_name_of(self.tf_config))
+        # Advertise the bound address; when bound to all interfaces, the TF_CONFIG host.
+        advertised = host if host not in ("0.0.0.0", "::") else _ports.split(mine)[0]
+        gather = lambda: self.run(lambda: _gather_address(rank, advertised, port))  # noqa: E731
+        gathered = tf.function(gather, autograph=False)()
+        rows = self.experimental_local_results(gathered)[0].numpy()
+        addresses = [_address_of(row) for row in sorted(rows.tolist())]
+        names = [name for name, _ in tasks]
+        return ring.Ring(rank, addresses, listener, timeout, names)
+
+    # -- agreement: every worker runs the same cluster, options and model ------------------
+
+    def _all_gather_bytes(self, payload: bytes) -> list[bytes]:
+        """Every worker's `payload`, by rank (eager; tfstrat's ring, else TF's collectives)."""
+        ring_ = self.extended._cross_device_ops.ring
+        if ring_ is not None:
+            lengths = ring_.all_gather(np.array([[len(payload)]], np.int64))[:, 0]
+            padded = np.zeros((1, int(lengths.max())), np.uint8)
+            padded[0, : len(payload)] = np.frombuffer(payload, np.uint8)
+            rows = ring_.all_gather(padded)
+        else:
+            gather = lambda t: self.experimental_local_results(  # noqa: E731
+                self.run(lambda: tf.distribute.get_replica_context().all_gather(t, 0))
+            )[0].numpy()
+            local = len(self.extended.worker_devices)
+            lengths = gather(tf.constant([[len(payload)]], tf.int32))[::local, 0]
+            padded = np.zeros((1, int(lengths.max())), np.int32)
+            padded[0, : len(payload)] = np.frombuffer(payload, np.uint8)
+            rows = gather(tf.constant(padded))[::local]
+        return [bytes(r[:n].astype(np.uint8)) for r, n in zip(rows, lengths)]
+
+    def _agree(self, desc: dict) -> None:
+        """Fails every worker alike, naming the first difference from the chief's (rank 0)."""
+        import json
+
+        tasks = [
+            f"{job}:{i}"
+            for job in ("chief", "worker")
+            for i in range(len(self.tf_config.addresses(job)))
+        ]
+        if len(tasks) > 1:
+            tasks[0] += " (the chief)"
+        everyone = [json.loads(b) for b in self._all_gather_bytes(json.dumps(desc).encode())]
+        for rank, theirs in enumerate(everyone):
+            diff = _agreement.first_difference(theirs, everyone[0], tasks[rank], tasks[0])
+            if diff:
+                raise _agreement.AgreementError(f"tfstrat: {diff}")
+
+    def _agree_on_model(self, model) -> None:
+        """Before a model's first step: its variables (name, shape, dtype, in order)."""
+        if self._stop is None or model in self._agreed_models:
+            return
+        self._agreed_models.add(model)
+        self._agree(_agreement.describe(self.tf_config, model.weights, self._agreement_options))
+
+    def run(self, fn, args=(), kwargs=None, options=None):
+        model = getattr(fn, "__self__", None)
+        ring_ = self.extended._cross_device_ops.ring
+        if getattr(fn, "__name__", "") == "train_step" and hasattr(model, "weights"):
+            if ring_ is not None:  # plain Python sockets: fine while the step is traced
+                self._agree_on_model(model)
+            elif self._stop is not None:  # TF's collectives run eagerly before step 2
+                self._stop.before_next_step = lambda: self._agree_on_model(model)
+        return super().run(fn, args=args, kwargs=kwargs, options=options)
+
+    def _epoch_sum(self, values):
+        """Eager sum of a small float32 array over every worker (the stop agreement's)."""
+        ring_ = self.extended._cross_device_ops.ring
+        if ring_ is not None:
+            return ring_.all_reduce(values)
+        mine = tf.constant(values)
+        summed = self.reduce(_SUM, self.run(lambda: tf.identity(mine)), axis=None)
+        return summed.numpy()
+
+    @property
+    def num_workers(self) -> int:
+        return self.extended._num_workers
+
+    @property
+    def worker_index(self) -> int:
+        return self.extended._id_in_cluster
+
+    # -- the savers' coordination (`tfstrat.keras._saving.Coordinated`) ----------------------
+
+    def _tfstrat_publish(self, key: str, outcome: dict) -> None:
+        # TensorFlow's coordination service: every chief and worker joined it at start-up.
+        context.context().set_config_key_value(key, json.dumps(outcome))
+
+    def _tfstrat_read_chief(self, key: str, names: list[str]) -> dict:
+        value = context.context().get_config_key_value(key, int(self.timeout * 1000))
+        return json.loads(value)
+
+    def reduce(self, reduce_op, value, axis=None):
+        op = tf.distribute.ReduceOp(reduce_op.upper()) if isinstance(reduce_op, str) else reduce_op
+        local = lambda v: self.experimental_local_results(v)  # noqa: E731
+        if nest.is_nested(value) and op == _MEAN and axis is None:
+            # Keras's symbolic build reduces a data batch only for its shapes; a collective
+            # would fail on unequal local batches (and turn int ids into floats).
+            return nest.map_structure(lambda v: local(v)[0], value)
+        components = value.values if isinstance(value, _values.DistributedValues) else (value,)
+        if axis is not None and all(getattr(c, "shape", None) == () for c in components):
+            # Keras reduces scalar per-step logs with axis=0, which stock TF rejects
+            # (keras#20585). Per-step logs stay local (no collective per step); epoch and
+            # evaluate results come from metric variables summed over all workers.
+            values = local(value)
+            return values[0] if len(values) == 1 else tf.reduce_mean(tf.stack(values))
+        return super().reduce(op, value, axis)
+
+
+def _env_config() -> TFConfig | None:
+    """The cluster of `TF_CONFIG`; None when it is unset (this process trains alone)."""
+    import os
+
+    if "TF_CONFIG" not in os.environ:
+        return None
+    if not os.environ["TF_CONFIG"].strip():
+        from tfstrat.cluster import TFConfigError
+
+        raise TFConfigError(
+            "Received: TF_CONFIG='' (set but empty). Unset it to train in one process "
+            "(`unset TF_CONFIG`), or set the cluster (`tfstrat tf-config --export`, or "
+            "`tfstrat launch`, which sets it for every task)."
+        )
+    return TFConfig.from_env()
+
+
+def _task_name_of(tf_config: TFConfig | None) -> str:
+    return (tf_config and tf_config.task_name) or "this worker"
+
+
+def _use_tcp(communication: str, count: int | None, tf_config: TFConfig | None) -> bool:
+    """tfstrat's TCP ring for dense all-reduces: asked for, or "auto" on CPU-only workers with
+    one device each (TensorFlow's gRPC collectives cost 2-3 ms a call and ~0.2 GB/s here)."""
+    workers = (
+        len(tf_config.addresses("chief")) + len(tf_config.addresses("worker")) if tf_config else 1
+    )
+    local = count or _num_gpus() or 1  # devices=None: every GPU, else one CPU
+    if communication == "tcp":
+        if local > 1:
+            raise UsageError(
+                f"Received: communication='tcp' with {local} devices per worker. The TCP ring "
+                "carries one device per worker; use communication='auto', 'ring' or 'nccl'."
+            )
+        return workers > 1
+    if communication not in ("auto", "ring", "nccl"):
+        raise UsageError(
+            f"Received: communication={communication!r}. Use 'auto', 'tcp', 'ring' or 'nccl'."
+        )
+    return communication == "auto" and workers > 1 and local == 1 and not _num_gpus()
+
+
+def _check_cpu_split(count: int):
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    have = len(tf.config.get_logical_device_configuration(cpu) or [None])
+    if have < count:
+        raise UsageError(
+            f"Received: devices={count} with the CPU split into {have} logical device(s). "
+            f"Call tfstrat.split_cpu({count}) before creating the strategy."
+        )
+
+
+def _num_gpus() -> int:
+    return len(tf.config.list_physical_devices("GPU"))
+
+
+def _seed_shuffles():
+    """Keras shuffles NumPy inputs with an unseeded op: a shared global seed makes every worker
+    draw the same permutation, so slicing never repeats or drops an example; the order of each
+    epoch comes from (seed, epoch), so epochs differ and a resumed run replays them."""
+    from tfstrat.keras import _shuffle
+
+    _shuffle.seed_shuffles()
+
+
+def _gather_address(rank: int, host: str, port: int):
+    """All-gathers (rank, port, address) rows: [rank, port, n, 16 address bytes as 4 ints].
+    A host name (when bound to all interfaces) is resolved here to the address peers use."""
+    try:
+        packed = socket.inet_pton(socket.AF_INET6 if ":" in host else socket.AF_INET, host)
+    except OSError:
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        family, address = info[0], info[4][0].split("%", 1)[0]
+        packed = socket.inet_pton(family, address)
+    words = np.frombuffer(packed.ljust(16, b"\0"), ">i4").astype(np.int32)
+    row = tf.constant([[rank, port, len(packed), *words.tolist()]], tf.int32)
+    return tf.distribute.get_replica_context().all_gather(row, 0)
+
+
+def _address_of(row: list[int]) -> str:
+    n = row[2]
+    packed = np.array(row[3:7], np.int32).astype(">i4").tobytes()[:n]
+    family = socket.AF_INET if n == 4 else socket.AF_INET6
+    return _ports.join(socket.inet_ntop(family, packed), row[1])

@@ -1,0 +1,277 @@
+"""`Hybrid`: Parallax's split. Dense variables all-reduced, embedding tables on ps tasks.
+
+Dense variables are mirrored on every worker and reduced exactly as in `CollectiveAllReduce`
+(this class is one). Tables of `tfstrat.keras.layers.Embedding` layers go to the ps tasks,
+split into parts, and are reached over RPC (`tfstrat.ps.tables`, `tfstrat.ps.remote`): a step
+moves only the rows its batch touches, each worker sums its rows per id before sending, and
+the ps updates only those rows and their optimizer slots. Without ps tasks every table stays
+mirrored and its gradient goes through the deduplicated sparse all-gather, so `Hybrid()`
+works on any cluster and on one machine.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+
+import tensorflow as tf
+
+from tfstrat.cluster import TFConfig
+from tfstrat.cluster import ports as _ports
+from tfstrat.errors import UsageError
+from tfstrat.strategies.collective import DEFAULT_TIMEOUT, CollectiveAllReduce, _env_config
+
+logger = logging.getLogger(__name__)
+
+
+def _without_ps(tf_config: TFConfig) -> TFConfig:
+    cluster = {job: list(a) for job, a in tf_config.cluster.items() if job != "ps"}
+    return TFConfig(cluster, tf_config.task_type, tf_config.task_index, tf_config.rpc_layer)
+
+
+class Hybrid(CollectiveAllReduce):
+    """Dense variables all-reduced among the workers; embedding tables on the ps tasks.
+
+    Args:
+        tf_config: the cluster; None reads `TF_CONFIG`. ps tasks are optional.
+        sparse: which `tfstrat.keras.layers.Embedding` tables go to the ps tasks: "auto" (all
+            of them), or a list of name patterns (fnmatch, matched against the layer's name
+            and its table's path, e.g. ["*item*"]); [] keeps every table mirrored.
+        partitions: parts per table on the ps tasks: "auto" (the chief times a few counts at
+            start-up and fits Parallax's step-time model, `tfstrat.ps.partitions`) or an
+            integer.
+        sparse_as_dense: for mirrored tables, as in `CollectiveAllReduce`.
+        timeout: seconds any collective or RPC may take before failing with an error.
+        devices, communication: as in `CollectiveAllReduce`.
+
+    Tables on ps tasks are updated row by row (`tfstrat.ps.rowmath`): SGD and Adagrad exactly as
+    Keras's dense update of the same gradient; Adam, SGD with momentum and RMSprop lazily (rows
+    outside the batch keep their slots), as a mirrored table with `sparse_updates="lazy"`.
+    Other optimizers, and clipping, accumulation, EMA or weight decay that would not reach the
+    tables, are refused at the first step; `sparse=[]` keeps every table mirrored.
+    """
+
+    def __init__(
+        self,
+        tf_config: TFConfig | None = None,
+        *,
+        sparse: str | list[str] = "auto",
+        partitions: str | int = "auto",
+        sparse_as_dense: str | float | bool = "auto",
+        timeout: float = DEFAULT_TIMEOUT,
+        devices=None,
+        communication: str = "auto",
+    ):
+        tf_config = tf_config if tf_config is not None else _env_config()
+        ps = tuple(tf_config.addresses("ps")) if tf_config is not None else ()
+        if tf_config is not None and tf_config.task_type == "ps":
+            from tfstrat.ps.server import serve_until_workers_exit
+
+            serve_until_workers_exit(tf_config)  # does not return
+        if sparse != "auto" and not isinstance(sparse, (list, tuple)):
+            raise UsageError(f"Received: sparse={sparse!r}. Use 'auto' or a list of name patterns.")
+        if partitions != "auto" and not (isinstance(partitions, int) and partitions >= 1):
+            raise UsageError(f"Received: partitions={partitions!r}. Use 'auto' or an integer >= 1.")
+        super().__init__(
+            _without_ps(tf_config) if ps else tf_config,
+            devices=devices,
+            communication=communication,
+            sparse_as_dense=sparse_as_dense,
+            timeout=timeout,
+            _agree_on={"ps": list(ps), "sparse": sparse, "partitions": partitions},
+        )
+        self.ps_addresses = ps
+        self.sparse = sparse
+        self.partitions = partitions
+        self.timeout = timeout
+        self.tables: dict[str, object] = {}
+        self._clients = None
+        self._optimizer = None
+        self._next_table = 0
+        self._warned: set[str] = set()
+        self._sparse_mirrored: set[str] = set()
+        if ps:
+            from tfstrat.ps.connect import wait_for_ps
+            from tfstrat.ps.remote import TableClients
+
+            wait_for_ps(tf_config, timeout, port_offset=_ports.offset())  # table servers
+            self._clients = TableClients(ps, timeout, self.worker_index)
+        logger.info(
+            "tfstrat: Hybrid, %d ps task(s): %s; one line per embedding table at the first step",
+            len(ps),
+            f"tables of tfstrat.keras.layers.Embedding on the ps tasks (sparse={sparse!r}), "
+            "every other variable mirrored"
+            if ps
+            else "every variable mirrored",
+        )
+
+    # -- tables --------------------------------------------------------------------------
+
+    def _wants_ps(self, layer) -> bool:
+        if not self.ps_addresses:
+            return False
+        if self.sparse == "auto":
+            return True
+        names = (layer.name, f"{layer.name}/embeddings")
+        return any(fnmatch.fnmatch(n, p) for n in names for p in self.sparse)
+
+    def remote_table(self, layer):
+        """A table on the ps tasks for `layer` (a tfstrat Embedding), or None to mirror it."""
+        if not self._wants_ps(layer):
+            if not self.ps_addresses:  # placed as sparse, mirrored: no warning for it
+                self._sparse_mirrored.add(f"{layer.name}/embeddings")
+            return None
+        if layer.embeddings_regularizer is not None:
+            # The worker holds no copy of a ps-held table, so a regularizer over every row
+            # cannot be computed there; dropping it silently would train another model.
+            raise UsageError(
+                f"Received: embeddings_regularizer={layer.embeddings_regularizer!r} on "
+                f"{layer.name!r}, whose table Hybrid puts on the ps tasks, where a regularizer "
+                "of every row is not applied. Drop the regularizer, or keep this table "
+                f"mirrored: Hybrid(sparse=[...]) without {layer.name!r} (or sparse=[])."
+            )
+        from tfstrat.ps.remote import RemoteTable
+
+        if self.partitions == "auto":
+            parts = self._choose_partitions(layer)
+        else:
+            parts = max(1, min(int(self.partitions), layer.input_dim))
+        layout = self._layout(layer.input_dim, parts, self._next_table)
+        self._next_table += parts
+        initializer = layer.embeddings_initializer
+        import keras
+
+        init = {
+            "initializer": keras.initializers.serialize(initializer),
+            "seed": getattr(initializer, "seed", None),
+            "timeout": self.timeout,
+        }
+        if not isinstance(init["seed"], (int, type(None))):
+            init["seed"] = None
+        table = RemoteTable(
+            self._clients,
+            layer.name,
+            layer.input_dim,
+            layer.output_dim,
+            layout,
+            self.num_replicas_in_sync,
+            init,
+        )
+        self.tables[f"{layer.name}/embeddings"] = table
+        logger.info(
+            "tfstrat: table %s (%d x %d) on ps %s in %d part(s)",
+            layer.name,
+            layer.input_dim,
+            layer.output_dim,
+            sorted({ps for ps, *_ in layout}),
+            parts,
+        )
+        return table
+
+    def _layout(self, rows: int, parts: int, first: int):
+        """(ps task, table number, first row, end row) of each part; parts go round-robin."""
+        from tfstrat.keras.layers import part_bounds
+
+        num_ps = len(self.ps_addresses)
+        bounds = part_bounds(rows, parts)
+        return [((first + k) % num_ps, first + k, lo, hi) for k, (lo, hi) in enumerate(bounds)]
+
+    def _choose_partitions(self, layer) -> int:
+        """Parallax's search (`tfstrat.ps.partitions`), run by the chief, read by the others."""
+        from tfstrat.ps import partitions
+        from tfstrat.ps.remote import RemoteTable
+
+        key = len(self.tables)  # tables are made in the same order on every worker
+        rows, dim = layer.input_dim, layer.output_dim
+        if self.worker_index != 0:
+            return self._clients.wait_meta(key, self.timeout, f"the partitions of {layer.name}")
+
+        def trial_table(parts, first):
+            layout = self._layout(rows, parts, first)
+            init = {"zeros": True, "timeout": self.timeout}
+            return RemoteTable(self._clients, "trial", rows, dim, layout, 1, init)
+
+        samples = partitions.measure(trial_table, rows, dim)
+        chosen = partitions.best(samples, max(samples))
+        b, a, c = partitions.fit(samples)
+        logger.info(
+            "tfstrat: table %s: %d part(s), from step times %s ms (fit t(P) = b/P + a(P-1) + c: "
+            "b %.2f ms, a %.2f ms, c %.2f ms)",
+            layer.name,
+            chosen,
+            {p: round(t * 1000, 2) for p, t in samples.items()},
+            b * 1000,
+            a * 1000,
+            c * 1000,
+        )
+        self._clients.put_meta(key, chosen)
+        return chosen
+
+    def table_step(self):
+        """The step number a table push carries: the optimizer's iteration counter."""
+        if self._optimizer is None:
+            return tf.constant(0, tf.int64)
+        return tf.cast(self._optimizer.iterations, tf.int64)
+
+    def table_hyper(self):
+        from tfstrat.ps.remote import optimizer_hyper
+
+        if self._optimizer is None:
+            raise UsageError("tfstrat Hybrid: a table was trained outside `model.fit`.")
+        return optimizer_hyper(self._optimizer)
+
+    def placement(self) -> dict[str, list[str]]:
+        """Where each ps-held table lives (its parts' ps devices)."""
+        return {path: table.devices for path, table in self.tables.items()}
+
+    # -- steps --------------------------------------------------------------------------
+
+    def run(self, fn, args=(), kwargs=None, options=None):
+        optimizer = getattr(getattr(fn, "__self__", None), "optimizer", None)
+        if optimizer is not None and optimizer is not self._optimizer:
+            self._optimizer = optimizer
+            self._warn_sparse_dense(optimizer, getattr(fn, "__self__", None))
+        return super().run(fn, args=args, kwargs=kwargs, options=options)
+
+    def _warn_sparse_dense(self, optimizer, model=None):
+        """At the first step: one line per embedding table (where it lives, how its gradient is
+        reduced, why; `_tables_report`), and one warning per other mirrored variable whose
+        gradient is sparse (still reduced sparsely)."""
+        if getattr(optimizer, "_tfstrat_hybrid", False):
+            return
+        optimizer._tfstrat_hybrid = True
+        apply = optimizer.apply
+
+        def checked(grads, trainable_variables=None):
+            variables = trainable_variables or optimizer._trainable_variables
+            reported = self._report_tables(model, grads, variables)
+            for g, v in zip(grads, variables):
+                expected = v.path in self._sparse_mirrored or v.path in reported
+                if isinstance(g, tf.IndexedSlices) and not expected and v.path not in self._warned:
+                    self._warned.add(v.path)
+                    logger.warning(
+                        "tfstrat: %s is mirrored but its gradient is sparse: it is reduced "
+                        "sparsely (deduplicated all-gather). To hold it on the ps tasks, use "
+                        "tfstrat.keras.layers.Embedding%s.",
+                        v.path,
+                        "" if self.ps_addresses else " and start ps tasks",
+                    )
+            return apply(grads, trainable_variables)
+
+        optimizer.apply = checked
+
+    def _report_tables(self, model, grads, variables) -> set[str]:
+        """Logs `_tables_report.lines` once per model (the chief); the reported paths."""
+        from tfstrat.strategies import _tables_report
+
+        if model is None:
+            return set()
+        by_path = {v.path: g for g, v in zip(grads, variables)}
+        lines, paths = _tables_report.lines(self, model, by_path)
+        if self.worker_index == 0 and not getattr(model, "_tfstrat_tables_reported", False):
+            model._tfstrat_tables_reported = True
+            for line in lines:
+                mirrored = "mirrored on every worker" in line
+                log = logger.warning if mirrored and self.ps_addresses else logger.info
+                log("%s", line)
+        return paths
