@@ -264,3 +264,15 @@ def test_the_modules_and_packages_import_each_other_without_cycles():
     edges = {(part(a), part(b)) for a, ds in graph.items() for b in ds if part(a) != part(b)}
     both = sorted(f"{a} <-> {b}" for a, b in edges if (b, a) in edges and a < b)
     assert both == [], both
+
+
+def test_every_package_directory_has_an_init_so_a_wheel_holds_it():
+    # setuptools' find_packages skips a directory without __init__.py: it would be missing
+    # from an installed (non-editable) tfstrat.
+    missing = [
+        str(d.relative_to(ROOT))
+        for d in PACKAGE.rglob("*")
+        if d.is_dir() and d.name != "__pycache__" and any(d.glob("*.py"))
+        if not (d / "__init__.py").exists()
+    ]
+    assert missing == [], missing
