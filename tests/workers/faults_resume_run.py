@@ -41,6 +41,7 @@ else:
 import keras  # noqa: E402
 from common import CLASSES, SEQ, VOCAB, compile_model, data, optimizer  # noqa: E402
 
+from tfstrat.keras import _atomic  # noqa: E402
 from tfstrat.keras import callbacks as tfcallbacks  # noqa: E402
 from tfstrat.keras.layers import Embedding  # noqa: E402
 
@@ -100,7 +101,7 @@ class Crash(keras.callbacks.Callback):
 class KillWhileWritingMetadata(tfcallbacks.BackupAndRestore):
     def _write_metadata(self, metadata):
         if metadata["epoch"] == 2:
-            with open(tfcallbacks._temporary(self._training_metadata_path), "w") as f:
+            with open(_atomic.temporary(self._training_metadata_path), "w") as f:
                 f.write('{"epoch": 2, "ba')
             os.kill(os.getpid(), signal.SIGKILL)
         super()._write_metadata(metadata)

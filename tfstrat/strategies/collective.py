@@ -24,7 +24,7 @@ from tfstrat._compat.tf import context, cross_device_utils, distribute_lib, inpu
 from tfstrat._compat.tf import values as _values
 from tfstrat.cluster import TFConfig
 from tfstrat.cluster import ports as _ports
-from tfstrat.errors import UsageError
+from tfstrat.errors import AgreementError, UsageError
 from tfstrat.keras import _fit_scope
 from tfstrat.reduce import ring
 from tfstrat.reduce.cross_device import SparseAwareAllReduce
@@ -175,7 +175,7 @@ class _Extended(_cars.CollectiveAllReduceExtended):
             if "Shape mismatch" not in str(e):
                 raise
             detail = str(e).split("Shape mismatch", 1)[1].split(". This is", 1)[0]
-            raise _agreement.AgreementError(
+            raise AgreementError(
                 f"tfstrat: worker {self._id_in_cluster} creating variable "
                 f"{kwargs.get('name')!r}: another worker created a variable of another shape "
                 f"at the same place (shape mismatch{detail}). Run the same model code on "
@@ -391,7 +391,7 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
         for rank, theirs in enumerate(everyone):
             diff = _agreement.first_difference(theirs, everyone[0], tasks[rank], tasks[0])
             if diff:
-                raise _agreement.AgreementError(f"tfstrat: {diff}")
+                raise AgreementError(f"tfstrat: {diff}")
 
     def _agree_on_model(self, model) -> None:
         """Before a model's first step: its variables (name, shape, dtype, in order)."""

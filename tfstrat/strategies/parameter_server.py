@@ -28,7 +28,7 @@ import tensorflow as tf
 from tfstrat import runtime
 from tfstrat._compat.tf import distribute_lib, nest, one_device_strategy
 from tfstrat.cluster import TFConfig
-from tfstrat.errors import UsageError
+from tfstrat.errors import AgreementError, UsageError
 from tfstrat.keras import _fit_scope
 from tfstrat.keras._shuffle import seed_shuffles
 from tfstrat.ps import variables as psvars
@@ -383,16 +383,16 @@ class ParameterServer(distribute_lib.Strategy):
                     seen[v]["description"], seen[0]["description"], names[v], names[0]
                 )
                 if diff:
-                    raise _agreement.AgreementError(f"tfstrat: {diff}")
+                    raise AgreementError(f"tfstrat: {diff}")
             for v in sorted(seen):  # same descriptions, but a ps held other shapes
                 if seen[v]["problems"]:
-                    raise _agreement.AgreementError(f"tfstrat: {seen[v]['problems'][0]}")
+                    raise AgreementError(f"tfstrat: {seen[v]['problems'][0]}")
 
     def _check_model(self, model, step: str) -> None:
         """Before a model's first training step, every task agrees on its variables."""
         if step != "train_step" or model in self._agreed:
             if self.extended.problems:  # evaluate or predict only: nobody else to tell
-                raise _agreement.AgreementError(f"tfstrat: {self.extended.problems[0]}")
+                raise AgreementError(f"tfstrat: {self.extended.problems[0]}")
             return
         self._agreed.add(model)
         held = [w.value for w in model.weights if psvars.ps_index_of(w.value) is not None]
