@@ -216,6 +216,48 @@ def test_tf_config_explain_lists_every_port_and_where_it_binds(capsys, monkeypat
 # ----------------------------------------------------------------------------------- recipes
 
 
+def _check_tfjob(text: str) -> None:
+    """The TFJob manifest, parsed as Kubernetes parses it: every replica declares the port the
+    operator writes into TF_CONFIG (named tfjob-port) and the tfstrat port tfstrat computes from
+    it; the NetworkPolicy admits exactly those between the job's own pods; the TF_CONFIG the
+    operator writes for it makes tfstrat.auto() pick Hybrid."""
+    import yaml
+
+    from tfstrat.cluster import ports
+    from tfstrat.cluster.devices import DeviceInfo
+    from tfstrat.strategies.choice import choose
+
+    docs = {doc["kind"]: doc for doc in yaml.safe_load_all(text)}
+    assert set(docs) == {"TFJob", "NetworkPolicy"}, set(docs)
+    job = docs["TFJob"]
+    name = job["metadata"]["name"]
+    specs = job["spec"]["tfReplicaSpecs"]
+    assert {kind: spec["replicas"] for kind, spec in specs.items()} == {"PS": 1, "Worker": 2}
+    labels, commands, declared = [], [], set()
+    for spec in specs.values():
+        pod = spec["template"]
+        labels.append(pod["metadata"]["labels"])
+        (container,) = pod["spec"]["containers"]
+        commands.append(container["command"])
+        by_name = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert set(by_name) == {"tfjob-port", "tfstrat-port"}, by_name
+        declared |= {by_name["tfjob-port"], by_name["tfstrat-port"]}
+        # The operator's TF_CONFIG names each pod at tfjob-port: tfstrat listens one above.
+        address = f"{name}-worker-0.default.svc:{by_name['tfjob-port']}"
+        assert ports.tfstrat_port(address) == by_name["tfstrat-port"], by_name
+    assert len({repr(c) for c in commands}) == 1, commands  # every pod runs the same program
+    policy = docs["NetworkPolicy"]["spec"]
+    assert all(policy["podSelector"]["matchLabels"].items() <= lab.items() for lab in labels)
+    (rule,) = policy["ingress"]
+    assert rule["from"] == [{"podSelector": policy["podSelector"]}]
+    assert {p["port"] for p in rule["ports"]} == declared == {2222, 2223}
+    pods = {kind: [f"{name}-{kind}-{i}.default.svc:2222" for i in range(n)] for kind, n in
+            (("worker", 2), ("ps", 1))}  # fmt: skip
+    tf_config = TFConfig.from_hosts(pods["worker"], ps=pods["ps"], task_type="worker", task_index=0)
+    host = DeviceInfo(2, (), (), False, None, "2.21.0", "3.15.1")
+    assert choose(tf_config, host)[0] == "Hybrid"
+
+
 def _read(name):
     with open(os.path.join(RECIPES, name)) as f:
         return f.read()
@@ -256,13 +298,7 @@ def test_recipes_use_the_ports_and_names_the_code_uses(monkeypatch):
     for job in ("worker", "ps"):
         for i, address in enumerate(TFConfig.from_nodes(nodes, **layout).addresses(job)):
             assert f"{job}:{i} {address}" in shell
-    # TFJob: the operator's port name and 2222, and tfstrat's port above it, on every replica
-    # and in the NetworkPolicy.
-    tfjob = _read("tfjob.yaml")
-    assert tfjob.count("name: tfjob-port\n                  containerPort: 2222") == 2
-    assert tfjob.count("name: tfstrat-port\n                  containerPort: 2223") == 2
-    assert "port: 2222" in tfjob and "port: 2223" in tfjob
-    assert "2223 (TF_CONFIG port + 1," in tfjob
+    _check_tfjob(_read("tfjob.yaml"))
     # Ray: the snippet's fixed-port rewrite gives what TFConfig accepts, ports 2 apart.
     spec = importlib.util.spec_from_file_location(
         "ray_train", os.path.join(RECIPES, "ray_train.py")
