@@ -1,5 +1,0 @@
-import sys
-
-from tfstrat.commands.main import main
-
-sys.exit(main())

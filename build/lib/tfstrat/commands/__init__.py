@@ -1,1 +1,0 @@
-"""The `tfstrat` command: `main` builds the parser from one module per subcommand."""

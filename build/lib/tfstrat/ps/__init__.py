@@ -1,1 +1,0 @@
-"""Parameter-server machinery shared by `tfstrat.ParameterServer` (and `tfstrat.Hybrid`)."""
