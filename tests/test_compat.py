@@ -156,8 +156,16 @@ FIT_THEN_REMOVE = """
         "iterator": EpochIterator.__dict__["__init__"] is before["iterator"],
         "save_model": keras.saving.save_model is before["save_model"],
     }
+    left = patches.installed()
+    # The next strategy installs them again.
+    again_strategy = tfstrat.CollectiveAllReduce()
+    with again_strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+    model.fit(x, x[:, :1], epochs=1, batch_size=4, verbose=0)
+    again = patches.installed()
     print("REPORT " + json.dumps({"installed": installed, "patched": patched, "after": after,
-                                  "left": patches.installed()}))
+                                  "left": left, "again": again}))
 """
 
 
@@ -179,6 +187,8 @@ def test_a_fit_lists_every_keras_patch_with_its_reason_and_remove_all_restores_k
     assert all(x.startswith("keras.") for x in installed), installed
     assert all(report["patched"].values()), report
     assert all(report["after"].values()) and report["left"] == [], report
+    again = {x.split(": ")[0] for x in report["again"]}
+    assert again == {x.split(": ")[0] for x in installed}, (again, installed)
 
 
 # --- layout: private imports behind the seam, no import cycles ---------------------------------

@@ -128,9 +128,9 @@ def test_a_ps_table_server_answers_lookups_over_4_mib_and_names_itself_in_errors
 
     from tfstrat.cluster import TFConfig
     from tfstrat.cluster.ports import free_port_pairs as _free_port_pairs
+    from tfstrat.errors import TableServerError
     from tfstrat.ps.connect import wait_for_ps
     from tfstrat.ps.remote import RemoteTable, TableClients
-    from tfstrat.ps.wire import TableServerError
 
     ps, worker = (f"127.0.0.1:{p}" for p in _free_port_pairs(2))
     config = TFConfig({"ps": [ps], "worker": [worker]}, "ps", 0)

@@ -5,6 +5,7 @@ import socket
 import pytest
 
 from tfstrat.cluster import ports as _ports
+from tfstrat.errors import ListenError
 
 
 def test_split_and_join_handle_ipv6():
@@ -41,10 +42,10 @@ def test_a_failed_bind_names_task_address_and_fix():
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
-        with pytest.raises(_ports.ListenError) as e:
+        with pytest.raises(ListenError) as e:
             _ports.listen("127.0.0.1", port, "worker:1", "ring")
     message = str(e.value)
     assert f"worker:1: its ring cannot listen on 127.0.0.1:{port}" in message
     assert "TF_CONFIG port + 1" in message and "TFSTRAT_PORT_OFFSET" in message
-    with pytest.raises(_ports.ListenError, match=r"worker:0: its ring cannot listen on 10.255"):
+    with pytest.raises(ListenError, match=r"worker:0: its ring cannot listen on 10.255"):
         _ports.listen("10.255.255.254", 0, "worker:0", "ring")  # on no interface here

@@ -7,7 +7,7 @@ Usage:
 
 A process is VARIANT[@TREE]:ALLOCATOR. Allocators: default (TensorFlow's own:
 TF_CPU_ALLOCATOR_USE_BFC unset, TFSTRAT_CPU_ALLOCATOR=default), bfc
-(TF_CPU_ALLOCATOR_USE_BFC=true exported), auto (neither: whatever `import tfstrat` does).
+(TF_CPU_ALLOCATOR_USE_BFC=true exported), auto (neither: whatever creating the strategy does).
 A tree is another copy of tfstrat put first on PYTHONPATH (e.g. the code before a change:
 `git archive HEAD tfstrat | tar -x -C /tmp/base`). "none:default" (plain Keras in a stock
 process: P-1) is always added; it is the reference.

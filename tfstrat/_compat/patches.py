@@ -3,7 +3,10 @@ what is changed and why (`installed()`), one way back (`remove`, `remove_all`).
 
 tfstrat patches only what Keras offers no hook for (the loss scaling per replica, the fit
 loop's epoch hooks, the savers, the trainer's step functions); each patch's `why` says what.
-Patches are installed when the first strategy that needs them is created, never at import.
+Patches are installed when the first strategy that needs them is created; the row-wise
+optimizer steps (`tfstrat.keras._rowwise`, `TFSTRAT_ROWWISE=0` turns them off) when
+`tfstrat.keras` is first imported, which the strategies do. Never at `import tfstrat`. After
+`remove_all()`, the next strategy installs them again.
 """
 
 from __future__ import annotations

@@ -134,7 +134,7 @@ def run_row(
     peer = not str(config.get("strategy", "")).startswith(TFSTRAT_STRATEGIES)
     if peer and "TF_CPU_ALLOCATOR_USE_BFC" not in (env or {}):
         # A peer row runs as a user without tfstrat would: TensorFlow's own CPU allocator, not
-        # the one `import tfstrat` picks for this process and its tasks (`tfstrat.runtime.allocator`).
+        # the one a tfstrat strategy or `tfstrat launch` sets (`tfstrat.runtime.allocator`).
         env = {**(env or {}), "TFSTRAT_CPU_ALLOCATOR": "default"}
     out = io.StringIO()
     command = [sys.executable, "-m", module, json.dumps(config)]

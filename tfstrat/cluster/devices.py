@@ -223,6 +223,9 @@ def split_cpu(n: int) -> list[str]:
     tf.config.set_logical_device_configuration(
         cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(n)]
     )
+    from tfstrat.runtime import logs
+
+    logs.setup()  # called before any strategy: tfstrat's own log lines show from here on
     logger.info("tfstrat: split the CPU into %d logical devices", n)
     return names
 

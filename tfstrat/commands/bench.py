@@ -8,7 +8,7 @@ from tfstrat.commands import _args
 
 
 def run(args) -> int:
-    from tfstrat.bench._report import UnknownRows
+    from tfstrat.errors import UnknownRows
 
     workers = [int(w) for w in _args.csv(args.workers) if w.isdigit()]
     if not workers or min(workers) < 1 or len(workers) != len(_args.csv(args.workers)):

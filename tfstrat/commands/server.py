@@ -9,7 +9,8 @@ from tfstrat.commands import _args
 
 
 def run(args) -> int:
-    from tfstrat.ps.server import ServerError, serve
+    from tfstrat.errors import ServerError
+    from tfstrat.ps.server import serve
 
     try:
         serve(TFConfig.from_env(), _args.task(args.task) if args.task else None)

@@ -34,9 +34,10 @@ _installed = False
 def install() -> None:
     """Wraps Keras's symbolic build (once per process); acts only under tfstrat strategies."""
     global _installed
-    if _installed:
-        return
     from tfstrat._compat.keras import TensorFlowTrainer
+
+    if _installed and patches.is_patched(TensorFlowTrainer, "_maybe_symbolic_build"):
+        return  # (after `patches.remove_all()` it installs again)
 
     keras_build = TensorFlowTrainer._maybe_symbolic_build
 

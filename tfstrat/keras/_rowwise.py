@@ -84,10 +84,11 @@ def install() -> bool:
     """Wraps the `update_step` of Keras's Adagrad, Adam, SGD and RMSprop (once per process);
     True when installed."""
     global _installed, keras_update_step
-    if _installed or not enabled():
-        return _installed
     import keras
     import tensorflow as tf
+
+    if not enabled() or (_installed and patches.is_patched(keras.optimizers.Adam, "update_step")):
+        return _installed  # (after `patches.remove_all()` it installs again)
 
     def wrap(cls, rows_fn, always: bool):
         own = cls.update_step

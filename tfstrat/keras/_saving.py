@@ -75,11 +75,12 @@ def install() -> None:
     """Wraps Keras's `save_model` and `save_weights` (idempotent; no effect without a
     multi-worker tfstrat strategy)."""
     global _installed
-    if _installed or _stock:
-        return
     import keras
 
     from tfstrat._compat.keras import saving_api
+
+    if _stock or (_installed and patches.is_patched(saving_api, "save_model")):
+        return  # (after `patches.remove_all()` it installs again)
 
     why = "multi-worker saves: the chief writes a shared path, atomically"
     for name in ("save_model", "save_weights"):

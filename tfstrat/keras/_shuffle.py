@@ -97,14 +97,18 @@ def seed_shuffles(set_global_seed: bool = True) -> None:
             "tfstrat: set TensorFlow's global seed to %d so every worker shuffles alike",
             SHUFFLE_SEED,
         )
-    if not _installed:
+    from tfstrat._compat.keras import ArrayDataAdapter
+
+    if not (_installed and patches.is_patched(ArrayDataAdapter, "get_tf_dataset")):
         _install()
     from tfstrat.keras import (
         _build,  # every tfstrat strategy's other Keras hook (keras.io's GAN)
+        _rowwise,
         _throughput,
         _xla,
     )
 
+    _rowwise.install()  # also at `import tfstrat.keras`; again after `patches.remove_all()`
     _build.install()
     _xla.install()  # jit_compile=True compiles each replica's computation, not the exchange
     _throughput.install()  # examples/s on the progress bar and in History (TFSTRAT_THROUGHPUT=0)

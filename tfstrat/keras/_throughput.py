@@ -257,9 +257,10 @@ def install() -> None:
     change. `TFSTRAT_THROUGHPUT=0`, read at every `fit`, leaves the automatic one out.
     """
     global _installed
-    if _installed:
-        return
     from tfstrat._compat.keras import CallbackList
+
+    if _installed and patches.is_patched(CallbackList, "__init__"):
+        return  # (after `patches.remove_all()` it installs again)
 
     keras_init = CallbackList.__init__
 

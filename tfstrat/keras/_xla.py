@@ -22,9 +22,10 @@ _installed = False
 def install() -> None:
     """Wraps Keras's step-function builder (once per process); acts only under tfstrat."""
     global _installed
-    if _installed:
-        return
     from tfstrat._compat.keras import TensorFlowTrainer
+
+    if _installed and patches.is_patched(TensorFlowTrainer, "_make_function"):
+        return  # (after `patches.remove_all()` it installs again)
 
     keras_make_function = TensorFlowTrainer._make_function
 

@@ -266,7 +266,8 @@ def _task_env(
     if threads:  # both pools: 2 inter-op threads alone keep ~1.4 cores of a process busy
         env["TF_NUM_INTRAOP_THREADS"] = env["TF_NUM_INTEROP_THREADS"] = str(threads)
         env["OMP_NUM_THREADS"] = str(threads)
-    # TensorFlow's BFC CPU allocator, also for tasks that never import tfstrat (`tfstrat.runtime.allocator`).
+    # TensorFlow's BFC CPU allocator, also for tasks that never create a tfstrat strategy
+    # (`tfstrat.runtime.allocator`).
     return _runtime.task_env(env)
 
 

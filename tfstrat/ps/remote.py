@@ -50,7 +50,7 @@ class TableClients:
         self._unread: dict[int, list[str]] = {}  # ps -> methods sent whose answers are unread
 
     def call(self, ps: int, method: str, *arrays) -> list[np.ndarray]:
-        """Calls `method` on ps task `ps` (raises `wire.TableServerError` naming it)."""
+        """Calls `method` on ps task `ps` (raises `tfstrat.errors.TableServerError` naming it)."""
         return self.call_all([(ps, method, arrays)])[0]
 
     def call_all(self, calls) -> list[list[np.ndarray]]:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import logging
 import os
 
+from tfstrat import runtime
 from tfstrat.cluster import ports
 from tfstrat.cluster.config import TFConfig
-from tfstrat.errors import ServerError, TFConfigError
+from tfstrat.errors import ListenError, ServerError, TFConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +29,7 @@ def start_server(tf_config: TFConfig, task: tuple[str, int] | None = None):
     """
     import faulthandler
 
+    runtime.apply()  # tfstrat's process settings (allocator, filters, versions), as a strategy does
     import tensorflow as tf
 
     faulthandler.enable()  # a crash of the server prints its Python stacks
@@ -87,7 +89,7 @@ def _serve_tables(tf_config: TFConfig, task: str) -> None:
     what = f"table server (TF_CONFIG port + {ports.offset()})"
     try:
         _table_servers.append(serve_tables(host, ports.tfstrat_port(address), task, what))
-    except ports.ListenError as e:
+    except ListenError as e:
         raise ServerError(str(e)) from None
     logger.info("tfstrat server: %s tables at %s", task, rpc)
 

@@ -320,7 +320,7 @@ _ZERO = np.int64(0)
 
 def serve_tables(host: str, port: int, task: str, what: str = "table server"):
     """Starts the table server of `task` on `host`:`port`; returns (server, registry).
-    Raises `tfstrat.cluster.ports.ListenError` naming the task and `what` if it cannot listen."""
+    Raises `tfstrat.errors.ListenError` naming the task and `what` if it cannot listen."""
     from tfstrat.ps import wire
 
     registry = Registry()

@@ -123,7 +123,7 @@ class Server:
 
 
 def serve(host: str, port: int, handler, task: str, what: str) -> Server:
-    """Starts serving `handler` on `host`:`port`; a `_ports.ListenError` names `task`'s `what`
+    """Starts serving `handler` on `host`:`port`; a `tfstrat.errors.ListenError` names `task`'s `what`
     if it cannot listen."""
     return Server(_ports.listen(host, port, task, what), handler, f"{task} {what}")
 

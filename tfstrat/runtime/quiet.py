@@ -8,8 +8,9 @@ Three places, each with a short list that names every entry:
 - `LineFilter`: lines of a task's output that `tfstrat launch` does not show (they stay in the
   task's file in --log-dir). TensorFlow 2.21 prints some of them before its C++ logging reads
   `TF_CPP_MIN_LOG_LEVEL`, so no environment variable hides them.
-- `install`: a `logging.Filter` on TensorFlow's and absl's Python loggers, called by
-  `import tfstrat`, for warnings about settings tfstrat makes on purpose.
+- `install`: a `logging.Filter` on TensorFlow's and absl's Python loggers, installed when a
+  strategy is created (`tfstrat.runtime.apply`), for warnings about settings tfstrat makes on
+  purpose.
 
 Errors are never hidden, nor tfstrat's own lines. A warning that matters (a stock Embedding
 on a ps, an uneven split) is tfstrat's own, and is printed by the chief's task, which

@@ -184,7 +184,7 @@ class LocalSGD(CollectiveAllReduce):
     Raises:
         ValueError: a bad argument (the message names it and the fix), or more than one
             device per worker.
-        tfstrat.AgreementError (a ValueError): workers created it with different arguments.
+        tfstrat.errors.AgreementError (a ValueError): workers created it with different arguments.
 
     Environment:
         TF_CONFIG: the cluster and this task, as `tfstrat launch` or Kubeflow set it.
@@ -528,9 +528,10 @@ _hooked = [False]
 
 
 def _install_build_hook() -> None:
-    if _hooked[0]:
-        return
     from tfstrat._compat.keras import BaseOptimizer
+
+    if _hooked[0] and patches.is_patched(BaseOptimizer, "build"):
+        return  # (after `patches.remove_all()` it installs again)
 
     keras_build = BaseOptimizer.build
 
