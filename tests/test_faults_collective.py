@@ -88,6 +88,41 @@ def test_empty_tf_config_is_a_clear_error():
     assert "JSONDecodeError" not in proc.stderr
 
 
+NO_TASK = """
+import tfstrat
+for name in ("CollectiveAllReduce", "Hybrid", "LocalSGD", "ParameterServer"):
+    try:
+        getattr(tfstrat, name)()
+        print(name, "CREATED")
+    except Exception as e:
+        print(name, type(e).__name__, e)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_cluster_without_a_task_is_a_clear_error_for_every_strategy():
+    """TensorFlow's own error ("When cluster_spec is given, you must also specify task_type and
+    task_id") names neither TF_CONFIG nor the fix."""
+    cluster = '{"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:3"], "ps": ["127.0.0.1:5"]}}'
+    proc = subprocess.run(
+        [sys.executable, "-c", NO_TASK],
+        env=dict(os.environ, TF_CONFIG=cluster),
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if " " in line)
+    assert set(lines) == {"CollectiveAllReduce", "Hybrid", "LocalSGD", "ParameterServer"}, (
+        proc.stdout + proc.stderr[-3000:]
+    )
+    for name, line in lines.items():
+        assert line.startswith(
+            "TFConfigError Received: TF_CONFIG with a cluster (2 worker, 1 ps) but no 'task'. "
+            f"{name} needs this process's own task: TF_CONFIG['task'] = "
+        ), line
+        assert "tfstrat tf-config --task worker:N" in line, line
+
+
 @pytest.mark.timeout(400)
 def test_input_that_cannot_train_is_refused_and_empty_slices_train_exactly(tmp_path):
     from cluster import run_script

@@ -393,6 +393,25 @@ class TFConfig:
         """A copy of this config for another task (validated)."""
         return dataclasses.replace(self, task_type=task_type, task_index=task_index)
 
+    def require_task(self, who: str) -> None:
+        """Raises TFConfigError unless this config names this process's task (`who`, e.g.
+        "CollectiveAllReduce", says what needs it): TensorFlow's own error for a cluster with
+        no task names neither the variable nor the fix.
+
+        Example:
+            >>> TFConfig.from_hosts(["a:1", "b:1"]).require_task("CollectiveAllReduce")
+            Traceback (most recent call last):
+            ...
+            tfstrat.errors.TFConfigError: Received: TF_CONFIG with a cluster ...
+        """
+        if self.task_type is None:
+            raise TFConfigError(
+                f"Received: TF_CONFIG with a cluster ({', '.join(f'{len(a)} {job}' for job, a in self.cluster.items())}) "
+                f"but no 'task'. {who} needs this process's own task: TF_CONFIG['task'] = "
+                "{'type': 'worker', 'index': N}, different on every process (`tfstrat launch` "
+                "sets it; by hand: `tfstrat tf-config --task worker:N`)."
+            )
+
     def to_dict(self) -> dict[str, Any]:
         """TF_CONFIG as JSON-ready data; 'task' only with a task, 'environment' only if set."""
         data: dict[str, Any] = {"cluster": {job: list(a) for job, a in self.cluster.items()}}

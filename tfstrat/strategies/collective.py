@@ -248,6 +248,8 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
         _agree_on: dict | None = None,
     ):
         tf_config = tf_config if tf_config is not None else _env_config()
+        if tf_config is not None:
+            tf_config.require_task(type(self).__name__)
         resolver = tf_config.resolver() if tf_config else None
         if tf_config is not None and tf_config.addresses("ps"):
             raise UsageError(

@@ -63,6 +63,8 @@ class Hybrid(CollectiveAllReduce):
         communication: str = "auto",
     ):
         tf_config = tf_config if tf_config is not None else _env_config()
+        if tf_config is not None:
+            tf_config.require_task("Hybrid")
         ps = tuple(tf_config.addresses("ps")) if tf_config is not None else ()
         if tf_config is not None and tf_config.task_type == "ps":
             from tfstrat.ps.server import serve_until_workers_exit

@@ -589,6 +589,7 @@ def _env_config() -> TFConfig:
 
 
 def _check_config(tf_config: TFConfig, mode: str, partitions) -> None:
+    tf_config.require_task("ParameterServer")
     if mode not in ("sync", "async"):
         raise UsageError(f"Received: mode={mode!r}. Use 'sync' or 'async'.")
     if partitions != "auto" and not (isinstance(partitions, int) and partitions >= 1):
