@@ -12,7 +12,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.join(_HERE, "helpers"), os.path.join(_HERE, "keras_patterns")]
 
 from gpus import requires_gpus  # noqa: E402, F401  (re-exported: `from gpus import requires_gpus`)
-from paths import HELPERS, WORKERS  # noqa: E402
+from paths import HELPERS  # noqa: E402
 
 # Worker programs run as their own processes (through tfstrat's launcher, in network namespaces,
 # by hand): PYTHONPATH carries the helpers to them.
@@ -28,8 +28,3 @@ def launch_script():
     from cluster import launch_script as run
 
     return run
-
-
-@pytest.fixture
-def workers_dir():
-    return WORKERS

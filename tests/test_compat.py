@@ -50,8 +50,8 @@ def test_pyproject_pins_the_ranges_the_check_enforces():
 def _run(code: str, **env) -> subprocess.CompletedProcess:
     import os
 
-    full = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **env}
-    full.pop(versions.ALLOW_ENV, None) if versions.ALLOW_ENV not in env else None
+    full = {k: v for k, v in os.environ.items() if k != versions.ALLOW_ENV}
+    full.update(TF_CPP_MIN_LOG_LEVEL="2", **env)
     return subprocess.run(
         [PY, "-c", textwrap.dedent(code)], env=full, capture_output=True, text=True, timeout=200
     )

@@ -20,6 +20,7 @@ import time
 import uuid
 
 import numpy as np
+import procs
 import pytest
 from paths import WORKERS
 
@@ -419,18 +420,8 @@ def test_two_launchers_train_together_and_the_ps_outlives_its_nodes_worker(tmp_p
 
 
 def _pid_of(task, marker):
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                environ = f.read().split(b"\0")
-        except OSError:
-            continue
-        if (
-            f"TFSTRAT_TEST_RUN={marker}".encode() in environ
-            and f"TFSTRAT_TASK={task}".encode() in environ
-        ):
-            return int(pid)
-    return None
+    found = procs.find(env=[f"TFSTRAT_TEST_RUN={marker}", f"TFSTRAT_TASK={task}"])
+    return found[0] if found else None
 
 
 @pytest.mark.cluster

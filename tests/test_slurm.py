@@ -16,6 +16,7 @@ import signal
 import sys
 import time
 
+import procs
 import pytest
 from netns import Unavailable, skip_or_fail
 from paths import ROOT, WORKERS
@@ -74,20 +75,8 @@ def test_the_sbatch_recipe_trains_on_both_nodes():
 
 
 def _pid_of(task: str, marker: str) -> int | None:
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                cmdline = f.read()
-            with open(f"/proc/{name}/environ", "rb") as f:
-                environ = f.read().split(b"\0")
-        except OSError:
-            continue
-        if marker.encode() in cmdline and f"TFSTRAT_TASK={task}".encode() in environ:
-            if b"python" in cmdline.split(b"\0")[0]:
-                return int(name)
-    return None
+    found = procs.find(env=[f"TFSTRAT_TASK={task}"], arg=marker, program="python")
+    return found[0] if found else None
 
 
 BATCH = """#!/bin/bash

@@ -26,6 +26,7 @@ import subprocess
 import tempfile
 import time
 
+import procs
 from netns import Network, Unavailable
 
 DAEMONS = ("slurmctld", "slurmd", "munged", "sbatch", "sinfo", "nsenter", "unshare")
@@ -189,8 +190,8 @@ PartitionName=debug Nodes={",".join(self.node_names())} Default=YES MaxTime=INFI
     def leftovers(self, directory: str, namespaces: list[str]) -> list[str]:
         """What a closed cluster left behind: processes of its configuration, its munged, its
         directory, its namespaces (empty after `close`)."""
-        left = [f"pid {p}" for p in _pids_with_env(f"SLURM_CONF={directory}/slurm.conf")]
-        left += [f"pid {p} (munged)" for p in _pids_with_arg(f"--socket={directory}/munge.socket")]
+        left = [f"pid {p}" for p in procs.find(env=[f"SLURM_CONF={directory}/slurm.conf"])]
+        left += [f"pid {p} (munged)" for p in procs.find(arg=f"--socket={directory}/munge.socket")]
         left += [directory] if os.path.exists(directory) else []
         names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         left += [ns for ns in namespaces if ns in names.split()]
@@ -208,7 +209,7 @@ PartitionName=debug Nodes={",".join(self.node_names())} Default=YES MaxTime=INFI
         # Job steps run under slurmstepd, which slurmd started in its own session: find them by
         # the configuration file in their environment, and kill them with their children.
         if self.dir:
-            for pid in _pids_with_env(f"SLURM_CONF={self.conf}"):
+            for pid in procs.find(env=[f"SLURM_CONF={self.conf}"]):
                 try:
                     os.killpg(os.getpgid(pid), signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
@@ -268,32 +269,3 @@ PartitionName=debug Nodes={",".join(self.node_names())} Default=YES MaxTime=INFI
                 with open(os.path.join(self.dir, name), errors="replace") as f:
                     parts.append(f"== {name}\n{f.read()[-limit:]}")
         return "\n".join(parts)
-
-
-def _pids_with_env(entry: str) -> list[int]:
-    """Processes whose environment holds `entry` (e.g. "SLURM_CONF=/tmp/.../slurm.conf")."""
-    found = []
-    needle = entry.encode()
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    found.append(int(name))
-        except OSError:
-            continue
-    return found
-
-
-def _pids_with_arg(arg: str) -> list[int]:
-    found = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/cmdline", "rb") as f:
-                    if arg.encode() in f.read().split(b"\0"):
-                        found.append(int(name))
-            except OSError:
-                continue
-    return found
