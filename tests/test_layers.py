@@ -72,6 +72,7 @@ def test_a_ps_held_table_saves_its_optimizer_slots_where_a_stock_model_does_not_
 
     from tfstrat.cluster import TFConfig
     from tfstrat.cluster.ports import free_port_pairs as _free_port_pairs
+    from tfstrat.keras._ps_tables import PsTable, TableSlots
     from tfstrat.keras.layers import Embedding
     from tfstrat.ps.connect import wait_for_ps
     from tfstrat.ps.remote import RemoteTable, TableClients
@@ -86,13 +87,15 @@ def test_a_ps_held_table_saves_its_optimizer_slots_where_a_stock_model_does_not_
         init = {"initializer": keras.initializers.serialize(keras.initializers.Ones())}
         table = RemoteTable(clients, "embedding", 50, 3, [(0, 0, 0, 25), (0, 1, 25, 50)], 1, init)
         hyper = tf.constant(
-            [1.0, 0.5, 0.9, 0.999, 1e-7, 0.1, 0.0, 0.0, 0.9, 0.1, 0.001, 0.1]
+            [1.0, 0.5, 0.9, 0.999, 1e-7, 0.1, 0.0, 0.0, 0.9, 0.1, 0.001, 0.1, 0.0]
         )  # Adagrad
         table.push(tf.constant([1, 30], tf.int64), tf.ones([2, 3]), tf.constant(0, tf.int64), hyper)
 
         ours, stock = _model(Embedding), _model(keras.layers.Embedding)
         layer = ours.layers[1]
-        layer._remote, layer._strategy = table, types.SimpleNamespace(_optimizer=None)
+        strategy = types.SimpleNamespace(_optimizer=None)
+        layer._embeddings = PsTable(layer, table, strategy)
+        layer.table_slots = TableSlots(table, strategy)
         expected_table, expected_slots = table.numpy(), table.slots({"accumulator": 0.1})
         assert sorted(expected_slots) == ["accumulator"]
         np.testing.assert_allclose(expected_slots["accumulator"][[1, 30, 2], 0], [1.1, 1.1, 0.1])
@@ -153,7 +156,7 @@ def test_a_ps_table_server_answers_lookups_over_4_mib_and_names_itself_in_errors
         np.testing.assert_array_equal(got, table.numpy()[ids.numpy()])
 
         hyper = tf.constant(
-            [1.0, 0.5, 0.9, 0.999, 1e-7, 0.1, 0.0, 0.0, 0.9, 0.1, 0.001, 0.1]
+            [1.0, 0.5, 0.9, 0.999, 1e-7, 0.1, 0.0, 0.0, 0.9, 0.1, 0.001, 0.1, 0.0]
         )  # Adagrad
         before = table.numpy()
         table.push(
@@ -286,33 +289,44 @@ def test_a_ps_table_steps_as_a_lazy_mirrored_table_for_every_optimizer():
         server.wait()
 
 
-def test_a_ps_held_table_refuses_weight_decay_and_exact_updates_it_cannot_apply():
-    """A ps updates only the batch's rows: AdamW's decay of every row, and Keras's dense Adam
-    (sparse_updates="exact"), would silently differ from the same model mirrored."""
+def test_a_ps_held_table_refuses_settings_it_cannot_apply_and_takes_weight_decay():
+    """A ps updates only the batch's rows: Keras's dense Adam (sparse_updates="exact") and
+    clipping over every gradient would silently differ from the same model mirrored, so they
+    are refused at the first lookup; AdamW's decay is applied on the ps (tests/test_tables.py),
+    and reaches the table unless excluded by name, as Keras decides for a mirrored one."""
     import types
 
     import keras
     import tensorflow as tf
 
+    from tfstrat.keras import _ps_tables
     from tfstrat.keras.layers import Embedding
 
     def called(optimizer, **kwargs):
         layer = Embedding(10, 2, name="items", **kwargs)
         layer._anchor = layer.add_weight(shape=(), initializer="zeros", name="embeddings_anchor")
         layer.built = True
-        layer._remote = object()  # refused before any lookup
-        layer._strategy = types.SimpleNamespace(_optimizer=optimizer)
+        strategy = types.SimpleNamespace(_optimizer=optimizer)
+        layer._embeddings = _ps_tables.PsTable(layer, object(), strategy)  # no table behind
+        layer._tfstrat_strategy = strategy
         optimizer.build([layer._anchor])
         layer(tf.constant([[1, 2]]))
 
-    with pytest.raises(ValueError, match=r"AdamW\(weight_decay=0.004\) for 'items'.*var_names"):
-        called(keras.optimizers.AdamW())
-    excluded = keras.optimizers.AdamW()
-    excluded.exclude_from_weight_decay(var_names=["embeddings"])
     # Past the checks: the lookup reached the stand-in table, which has no `lookup`.
     with pytest.raises(AttributeError, match="'object' object has no attribute 'lookup'"):
-        called(excluded)
+        called(keras.optimizers.AdamW())
     with pytest.raises(ValueError, match=r"sparse_updates='exact' on 'items'.*Adam"):
         called(keras.optimizers.Adam(), sparse_updates="exact")
     with pytest.raises(ValueError, match=r"SGD\(global_clipnorm=1.0\) with 'items'.*Drop"):
         called(keras.optimizers.SGD(global_clipnorm=1.0))
+
+    layer = Embedding(10, 2, name="items")
+    layer._anchor = layer.add_weight(shape=(), initializer="zeros", name="embeddings_anchor")
+    assert _ps_tables.uses_weight_decay(keras.optimizers.AdamW(), layer)
+    assert not _ps_tables.uses_weight_decay(keras.optimizers.Adam(), layer)
+    excluded = keras.optimizers.AdamW()
+    excluded.exclude_from_weight_decay(var_names=["embeddings"])
+    assert not _ps_tables.uses_weight_decay(excluded, layer)
+    biases_only = keras.optimizers.AdamW()  # keras-hub's recipe: the tables decay
+    biases_only.exclude_from_weight_decay(var_names=["bias", "gamma", "beta"])
+    assert _ps_tables.uses_weight_decay(biases_only, layer)

@@ -5,7 +5,7 @@ import pytest
 
 from tfstrat.ps.tables import KINDS, Table
 
-SGD = np.array([KINDS.index("sgd"), 0.5, 0.9, 0.999, 1e-7, 0.1, 0, 0, 0.9, 0.1, 0.001, 0.1], "f4")
+SGD = np.array([KINDS.index("sgd"), 0.5, 0.9, 0.999, 1e-7, 0.1, 0, 0, 0.9, 0.1, 0.001, 0.1, 0], "f4")
 
 
 def _table(workers=2):
@@ -90,3 +90,35 @@ def test_a_lookup_names_the_replicas_that_never_pushed():
     t.push(4, [1], np.ones((1, 2), "f4"), SGD, 1.0, replica=1)
     with pytest.raises(ValueError, match=r"step 4's pushes; replica\(s\) \[0, 2\] never pushed"):
         t.lookup([1], 5)
+
+
+def test_weight_decay_reaches_every_row_as_keras_decays_them_each_step():
+    """AdamW-style decay on a ps-held table: every row decays every step (Keras multiplies the
+    whole table by 1 - wd * lr before the update), but the ps touches only the pushed rows;
+    the others take the product of their missed factors when read. Lookups, whole reads and a
+    restore (write) all see Keras's values; rows never pushed decay too."""
+    from tfstrat.ps.tables import Registry
+
+    rng = np.random.default_rng(0)
+    rows, dim, lr, wd = 20, 3, 0.1, 0.05
+    registry = Registry()
+    spec = np.frombuffer(b'{"zeros": true}', np.uint8)
+    registry.create(0, rows, dim, 1, spec)
+    start = rng.normal(size=(rows, dim)).astype("f4")
+    registry.write(0, 0, start)
+    hyper = SGD.copy()
+    hyper[1], hyper[12] = lr, wd
+    dense = start.copy()  # Keras: v - v * wd * lr for every row, then the rows' SGD step
+    for step in range(12):
+        ids = np.unique(rng.integers(0, rows // 2, size=4))  # rows 10.. are never pushed
+        grads = rng.normal(size=(len(ids), dim)).astype("f4")
+        seen = registry.lookup(0, ids, step).reshape(-1, dim)
+        np.testing.assert_allclose(seen, dense[ids], rtol=1e-6, atol=1e-7)
+        registry.push(0, step, ids, grads, hyper, 0.0)
+        dense = dense - dense * np.float32(wd) * np.float32(lr)
+        dense[ids] -= np.float32(lr) * grads
+        if step == 6:  # a restore writes rows as they are: nothing pending for them
+            registry.write(0, 0, dense[:5])
+    whole = registry.read(0, 0, rows).reshape(rows, dim)
+    np.testing.assert_allclose(whole, dense, rtol=1e-6, atol=1e-7)
+    assert not np.allclose(whole[10:], start[10:])  # decayed without a push

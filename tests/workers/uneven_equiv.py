@@ -106,7 +106,7 @@ def weights(model) -> list:
 def table_accumulator(model):
     """Adagrad's accumulator of the table, from the ps if it is there."""
     layer = next(la for la in model.layers if isinstance(la, keras.layers.Embedding))
-    if layer.table_slots is not None:
+    if getattr(layer, "table_slots", None) is not None:
         store = {}
         layer.table_slots.save_own_variables(store)
         return store["accumulator"]

@@ -10,9 +10,12 @@ What each is for:
 - `saving_api`: `save_model` / `save_weights`, wrapped for multi-worker saves.
 - `KerasSaveable`: the base of objects Keras saves (tfstrat's ps-held tables).
 - `tree`, `pythonify_logs`: Keras's structure utilities and log conversion.
+- `in_symbolic_scope`: whether Keras is building a model symbolically (a ps-held table read
+  whole then comes back to the workers, `tfstrat.keras._ps_tables`).
 """
 
 from keras.src import tree  # noqa: F401
+from keras.src.backend.common.symbolic_scope import in_symbolic_scope  # noqa: F401
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer  # noqa: F401
 from keras.src.callbacks.callback_list import CallbackList  # noqa: F401
 from keras.src.losses import loss as loss_module  # noqa: F401

@@ -14,12 +14,9 @@ each repeat separately), which no multi-replica strategy can reproduce.
 
 Same arguments, weight names and saved format as `keras.layers.Embedding`: a partitioned table
 is saved as one array and loads into a stock layer, or into a different number of parts.
-Under `tfstrat.Hybrid` with ps tasks the table lives on the ps tasks (`tfstrat.ps.remote`): the
-layer holds only a scalar "anchor" weight whose gradient carries the rows' gradient to the ps.
-The table's optimizer slots live there too (Adagrad's accumulator, Adam's moments), outside
-Keras's optimizer: checkpoints keep them in a group of their own beside the layer's
-(`<layer>/table_slots`), which a stock Keras model never reads, so the file still loads into
-one. Quantized and LoRA tables fall back to the stock path.
+Under `tfstrat.Hybrid` with ps tasks its table lives on the ps tasks, as every Keras
+Embedding's does there (`tfstrat.keras._ps_tables`). Quantized and LoRA tables fall back to the
+stock path.
 """
 
 from __future__ import annotations
@@ -28,9 +25,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfstrat._compat.keras import KerasSaveable
 from tfstrat.errors import UsageError
-from tfstrat.keras import _local
+from tfstrat.keras import _local, _ps_tables
 
 
 def _layout(layer) -> list[int | None]:
@@ -80,86 +76,11 @@ def _one_row_per_id(rows, ids):
     return tf.identity(rows), grad
 
 
-class _TableSlots(KerasSaveable):
-    """The optimizer slots of a ps-held table, as a child that Keras's saving visits.
-
-    Keras saves a layer's own variables under `<layer>/vars` and checks their count when it
-    loads them, so the slots cannot go there; it also visits every attribute of a layer that is
-    a `KerasSaveable` and saves it under `<layer>/<attribute>`. A stock Embedding has no such
-    attribute, so it never reads this group; a tfstrat Embedding with a ps-held table does.
-    """
-
-    def __init__(self, remote, strategy):
-        self._remote, self._strategy = remote, strategy
-
-    def _obj_type(self):
-        return "Operation"  # only names the attributes Keras's saving skips; we have none
-
-    def save_own_variables(self, store):
-        optimizer = getattr(self._strategy, "_optimizer", None)
-        fills = {"accumulator": float(getattr(optimizer, "initial_accumulator_value", 0.1))}
-        for name, value in self._remote.slots(fills).items():
-            store[name] = value
-
-    def load_own_variables(self, store):
-        # A file without slots (from a stock model, or saved before the first step) keeps the
-        # ps's slots, as Keras keeps an optimizer's state when a file has none for it.
-        self._remote.assign_slots({name: np.asarray(store[name]) for name in store.keys()})
-
-
-def _refuse_for_ps_table(layer, optimizer) -> None:
-    """A ps updates its table's rows on each push, lazily: optimizer settings that would
-    change the step of a mirrored table (clipping over every gradient, accumulation, EMA,
-    weight decay, a dense "exact" step) are refused rather than ignored."""
-    if optimizer is None:
-        return
-    name = layer.name
-    settings = {
-        "clipnorm": optimizer.clipnorm,
-        "global_clipnorm": optimizer.global_clipnorm,
-        "clipvalue": optimizer.clipvalue,
-        "gradient_accumulation_steps": optimizer.gradient_accumulation_steps,
-        "use_ema": optimizer.use_ema or None,
-    }
-    given = {k: v for k, v in settings.items() if v}
-    if given:
-        k, v = next(iter(given.items()))
-        raise UsageError(
-            f"Received: {type(optimizer).__name__}({k}={v!r}) with {name!r}, whose table Hybrid "
-            f"keeps on the ps tasks, where {k} would not apply to it (the ps updates the rows "
-            f"of each push as it comes). Drop {k}, or keep this table mirrored: "
-            f"Hybrid(sparse=[...]) without {name!r}."
-        )
-    decay = getattr(optimizer, "weight_decay", None)
-    if decay and optimizer._use_weight_decay(layer._anchor):
-        raise UsageError(
-            f"Received: {type(optimizer).__name__}(weight_decay={decay:g}) for "
-            f"{name!r}, whose table Hybrid keeps on the ps tasks, where weight "
-            "decay is not applied (it would move every row every step). Exclude the "
-            "table: optimizer.exclude_from_weight_decay(var_names=['embeddings']), or "
-            f"keep it mirrored: Hybrid(sparse=[...]) without {name!r}."
-        )
-    from tfstrat.ps.remote import optimizer_kind
-
-    if layer.sparse_updates == "exact" and optimizer_kind(optimizer) not in (
-        "sgd",
-        "adagrad",
-        None,
-    ):
-        raise UsageError(
-            f"Received: sparse_updates='exact' on {name!r}, whose table Hybrid "
-            f"puts on the ps tasks, with {type(optimizer).__name__}: a ps updates "
-            "only the batch's rows (lazily). Use sparse_updates='lazy', or keep "
-            f"this table mirrored: Hybrid(sparse=[...]) without {name!r}."
-        )
-
-
 @keras.saving.register_keras_serializable(package="tfstrat")
 class Embedding(keras.layers.Embedding):
     """Drop-in `keras.layers.Embedding` whose lookup moves only the rows it needs."""
 
     _parts: list | None = None
-    _remote = None  # a table on ps tasks under tfstrat.Hybrid (tfstrat.ps.remote.RemoteTable)
 
     def __init__(self, *args, sparse_updates: str = "lazy", **kwargs):
         """`keras.layers.Embedding`'s arguments, and `sparse_updates`: "lazy" (the default:
@@ -186,24 +107,8 @@ class Embedding(keras.layers.Embedding):
                 _rowwise.mark(variable, self.sparse_updates)
 
     def _build_table(self, input_shape):
-        strategy = tf.distribute.get_strategy()
-        remote_table = getattr(strategy, "remote_table", None)
-        if remote_table and not (self.quantization_mode or self.lora_rank):
-            self._remote = remote_table(self)
-            if self._remote is not None:
-                # The worker holds no copy of the table: a scalar stands in for it in Keras's
-                # gradient, and its gradient is what pushes the rows' gradient to the ps.
-                self._strategy = strategy
-                self._anchor = self.add_weight(
-                    # "embeddings_anchor": what excludes the table from weight decay
-                    # (var_names=["embeddings"]) excludes this weight too.
-                    shape=(),
-                    initializer="zeros",
-                    name="embeddings_anchor",
-                    trainable=True,
-                )
-                self.built = True
-                return
+        if _ps_tables.build(self):  # under Hybrid with ps tasks: the table lives there
+            return
         layout = _layout(self)
         if len(layout) == 1 or self.quantization_mode or self.lora_rank:
             from tfstrat.ps.variables import pinned
@@ -246,20 +151,11 @@ class Embedding(keras.layers.Embedding):
         self.built = True
 
     @property
-    def table_slots(self) -> _TableSlots | None:
-        """The optimizer slots of a ps-held table, for checkpoints (None otherwise)."""
-        if self._remote is None:
-            return None
-        return _TableSlots(self._remote, self._strategy)
-
-    @property
     def partitions(self) -> int:
         return len(self._parts) if self._parts else 1
 
     @property
     def embeddings(self):
-        if self._remote is not None:  # a copy of the whole table, read from the ps tasks
-            return tf.constant(self._remote.numpy())
         if self._parts:
             return tf.concat([p.value for p in self._parts], axis=0)
         return super().embeddings
@@ -268,15 +164,12 @@ class Embedding(keras.layers.Embedding):
         # This replica's own variables: a gather on a tf.distribute variable reads all of it.
         if self._parts:
             return [_local.local(p.value) for p in self._parts]
-        table = self._embeddings.value if self._embeddings is not None else None
+        table = getattr(self._embeddings, "value", None)  # None: on the ps (a PsTable)
         return [_local.local(table)] if isinstance(table, tf.Variable) else None
 
     def call(self, inputs):
-        if self._remote is not None:
-            s = self._strategy
-            _refuse_for_ps_table(self, s._optimizer)  # at trace time
-            rows = self._remote.lookup(inputs, self._anchor, s.table_step, s.table_hyper)
-            return tf.cast(rows, self.compute_dtype)
+        if _ps_tables.remote(self) is not None:
+            return _ps_tables.lookup(self, inputs)
         tables = None if (self.quantization_mode or self.lora_enabled) else self._tables()
         if tables is None:
             return super().call(inputs)
@@ -287,15 +180,12 @@ class Embedding(keras.layers.Embedding):
         return tf.cast(_one_row_per_id(outputs, inputs), self.compute_dtype)
 
     def save_own_variables(self, store):
-        if self._remote is not None:
-            store["0"] = self._remote.numpy()
-            return
         if not self._parts:
             return super().save_own_variables(store)
         store["0"] = np.concatenate([p.numpy() for p in self._parts], axis=0)
 
     def load_own_variables(self, store):
-        if not self._parts and self._remote is None:
+        if not self._parts:
             return super().load_own_variables(store)
         table = np.asarray(store["0"])
         if table.shape != (self.input_dim, self.output_dim):
@@ -303,8 +193,5 @@ class Embedding(keras.layers.Embedding):
                 f"Layer {self.name!r}: the saved table has shape {table.shape}, this layer "
                 f"{(self.input_dim, self.output_dim)}."
             )
-        if self._remote is not None:
-            self._remote.assign(table)
-            return
         for part, (lo, hi) in zip(self._parts, part_bounds(self.input_dim, len(self._parts))):
             part.assign(table[lo:hi])

@@ -49,7 +49,7 @@ def measure(make_table, rows: int, dim: int, candidates=CANDIDATES) -> dict[int,
     rng = np.random.default_rng(0)
     ids = tf.constant(rng.choice(rows, min(rows, TRIAL_IDS), replace=False), tf.int64)
     hyper = tf.constant(
-        [0.0, 0.0, 0.9, 0.999, 1e-7, 0.1, 0.0, 0.0, 0.9, 0.1, 0.001, 0.1]
+        [0.0, 0.0, 0.9, 0.999, 1e-7, 0.1, 0.0, 0.0, 0.9, 0.1, 0.001, 0.1, 0.0]
     )  # SGD, lr 0
     samples = {}
     for k, parts in enumerate(c for c in candidates if c <= rows):

@@ -315,8 +315,9 @@ def optimizer_kind(optimizer) -> str | None:
     return None
 
 
-def optimizer_hyper(optimizer) -> tf.Tensor:
-    """The `tables.HYPER` numbers a push carries (the layout is in `tfstrat.ps.tables`)."""
+def optimizer_hyper(optimizer, decays: bool = False) -> tf.Tensor:
+    """The `tables.HYPER` numbers a push carries (the layout is in `tfstrat.ps.tables`);
+    `decays`: whether the optimizer's weight decay reaches the table."""
     kind = optimizer_kind(optimizer)
     if kind is None:
         raise UsageError(
@@ -342,6 +343,7 @@ def optimizer_hyper(optimizer) -> tf.Tensor:
         1 - get("beta_1", 0.9),  # in float64, as Keras computes them
         1 - get("beta_2", 0.999),
         1 - get("rho", 0.9),
+        get("weight_decay", 0.0) if decays else 0.0,
     ]
     lr = tf.reshape(tf.cast(optimizer.learning_rate, tf.float32), [1])
     numbers = tf.constant(numbers, tf.float32)

@@ -12,7 +12,9 @@ Tables are addressed by number (a ps starts before any model exists):
     slots(table)                               -> the numbers of its optimizer slots (SLOTS)
     read_slot(table, slot, lo, hi)             -> rows lo..hi of a slot, flattened
     write_slot(table, slot, lo, v)             -> 0     (creates the slot if needed)
-    drop(table)                                -> 0     (the partition search's trial tables)
+    drop(table)                                -> 0     (once every worker dropped it: the
+                                                        partition search's trial tables, a
+                                                        table that went back to the workers)
     put_meta(key, value) / get_meta(key)       -> 0 / value, -1 if unset (the chief's choices)
     stats()                                    -> this process's peak RSS, MB
 
@@ -29,7 +31,12 @@ push is refused, naming the cause). The steps are `tfstrat.ps.rowmath`'s: SGD an
 Keras's dense update on the same gradient; Adam, SGD with momentum and RMSprop are the lazy
 variants (rows not in the batch keep their slots and values).
 
-Checkpoints read and write the slots with the table (`tfstrat.keras.layers.Embedding`), so a
+Weight decay (AdamW, or any Keras optimizer's `weight_decay`) multiplies every row of the table
+by (1 - weight_decay * learning_rate) each step before the update, as Keras does; here a row
+takes the product of the factors since it was last written when it is next read or updated
+(`Decay`), so a step still costs only its rows.
+
+Checkpoints read and write the slots with the table (`tfstrat.keras._ps_tables`), so a
 run restored from one continues exactly. Adam's bias correction needs no state here: each push
 carries the step, which is the worker's `optimizer.iterations` (saved with the optimizer).
 
@@ -51,10 +58,11 @@ from tfstrat.ps import rowmath as _rowmath
 logger = logging.getLogger(__name__)
 
 # hyper = [kind, learning_rate, beta_1, beta_2, epsilon, initial_accumulator_value,
-#          momentum, nesterov, rho, 1 - beta_1, 1 - beta_2, 1 - rho] (the differences computed
-#          in float64 on the worker, as Keras); kind numbers the `tfstrat.ps.rowmath` step
+#          momentum, nesterov, rho, 1 - beta_1, 1 - beta_2, 1 - rho, weight_decay] (the
+#          differences computed in float64 on the worker, as Keras; weight_decay 0 when the
+#          optimizer does not decay this table); kind numbers the `tfstrat.ps.rowmath` step
 KINDS = ("sgd", "adagrad", "adam", "sgd_momentum", "rmsprop", "rmsprop_momentum")
-HYPER = 12
+HYPER = 13
 SLOTS = ("accumulator", "momentum", "velocity")  # slot numbers in the calls
 
 
@@ -65,12 +73,47 @@ def rpc_address(ps_address: str) -> str:
     return _ports.join(_ports.split(ps_address)[0], _ports.tfstrat_port(ps_address))
 
 
+class Decay:
+    """Weight decay of every row, applied lazily: the log of each decayed step's factor
+    (1 - weight_decay * learning_rate) is summed in `log`, and `seen[row]` is the entry of
+    `log` the row's stored value already includes. A row's value is its stored value times
+    exp(log[-1] - log[seen[row]])."""
+
+    def __init__(self, rows: int):
+        self.log = np.zeros(1024, np.float64)
+        self.steps = 0  # entries of `log` in use, after the first (0)
+        self.seen = np.zeros(rows, np.int64)
+
+    def step(self, weight_decay: float, learning_rate: float) -> None:
+        if self.steps + 1 == len(self.log):
+            self.log = np.concatenate([self.log, np.zeros_like(self.log)])
+        factor = 1.0 - float(weight_decay) * float(learning_rate)
+        self.log[self.steps + 1] = self.log[self.steps] + np.log(factor)
+        self.steps += 1
+
+    def factors(self, rows) -> np.ndarray:
+        """The pending factor of each of `rows` (an index array or a slice), shape [n, 1]."""
+        pending = self.log[self.steps] - self.log[self.seen[rows]]
+        return np.exp(pending).astype(np.float32)[:, None]
+
+    def settle(self, value: np.ndarray, rows) -> None:
+        """Applies the pending decay of `rows` to `value` (the table) in place."""
+        value[rows] *= self.factors(rows)
+        self.seen[rows] = self.steps
+
+    def written(self, rows) -> None:
+        """`rows` were just written whole (a restore): nothing is pending for them."""
+        self.seen[rows] = self.steps
+
+
 class Table:
     """One table (or one part of a partitioned table) and its optimizer slots, in NumPy."""
 
     def __init__(self, rows: int, dim: int, workers: int, init: dict):
         self.rows, self.dim, self.workers = rows, dim, workers
         self.value = _initial(rows, dim, init)
+        self.decay: Decay | None = None  # made at the first step with weight decay
+        self.drops = 0  # workers that dropped it (`Registry.drop`)
         self.slots: dict[str, np.ndarray] = {}
         self.pending: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # replica -> its push
         self.pending_rows = 0.0  # the sum of the pending pushes' weights
@@ -99,7 +142,13 @@ class Table:
         ids = self.check(ids)
         with self.lock:  # never half-way through a step's update
             self.wait_applied(int(step))
-            return self.value[ids].reshape(-1)
+            return self.rows_of(ids).reshape(-1)
+
+    def rows_of(self, rows) -> np.ndarray:
+        """The values of `rows` (an index array or a slice), decay applied (hold `lock`)."""
+        if self.decay is None:
+            return self.value[rows]
+        return self.value[rows] * self.decay.factors(rows)
 
     def wait_applied(self, step: int | None = None):
         """Waits (holding `lock`) until no step before `step` (None: no step at all) has
@@ -163,12 +212,17 @@ class Table:
     def _apply(self, ids, grads, hyper, step):
         """The optimizer step for the rows `ids` (unique), float32 as Keras (`tfstrat.ps.rowmath`)."""
         kind, lr, beta_1, beta_2, epsilon, initial_accumulator, momentum, nesterov, rho = hyper[:9]
-        one_minus_beta_1, one_minus_beta_2, one_minus_rho = hyper[9:]
+        one_minus_beta_1, one_minus_beta_2, one_minus_rho, weight_decay = hyper[9:]
         if not 0 <= int(kind) < len(KINDS):
             raise UsageError(f"tfstrat table: unknown optimizer kind {kind}")
         name = KINDS[int(kind)]
         fills = {"accumulator": float(initial_accumulator)}
         slots = {n: self.slot(n, fills.get(n, 0.0)) for n in _rowmath.SLOTS[name]}
+        if weight_decay > 0 and self.decay is None:
+            self.decay = Decay(self.rows)
+        if self.decay is not None:  # Keras decays every row, then updates (a 0 keeps the rows)
+            self.decay.step(weight_decay, lr)
+            self.decay.settle(self.value, ids)
         t = np.float32(step + 1)
         new_rows, delta = _rowmath.STEPS[name](
             {n: slot[ids] for n, slot in slots.items()},
@@ -249,7 +303,11 @@ class Registry:
 
     def drop(self, table):
         with self.lock:
-            self.tables.pop(int(table), None)
+            found = self.tables.get(int(table))
+            if found is not None:  # a worker may still read it until every one dropped it
+                found.drops += 1
+                if found.drops >= found.workers:
+                    del self.tables[int(table)]
         return _ZERO
 
     def put_meta(self, key, value):
@@ -280,13 +338,15 @@ class Registry:
         t = self.get(table)
         with t.lock:
             t.wait_applied()
-            return t.value[int(lo) : int(hi)].reshape(-1).copy()
+            return np.array(t.rows_of(slice(int(lo), int(hi))), copy=True).reshape(-1)
 
     def write(self, table, lo, values):
         t = self.get(table)
         rows = np.asarray(values, np.float32).reshape(-1, t.dim)
         with t.lock:
             t.value[int(lo) : int(lo) + len(rows)] = rows
+            if t.decay is not None:
+                t.decay.written(slice(int(lo), int(lo) + len(rows)))
             if t.pending:  # a restore starts afresh: a failed step's pushes are void
                 logger.info("tfstrat server: table %d restored; %d pushes of step %s dropped",
                             int(table), len(t.pending), t.pending_step)  # fmt: skip

@@ -1,12 +1,15 @@
 """`Hybrid`: Parallax's split. Dense variables all-reduced, embedding tables on ps tasks.
 
 Dense variables are mirrored on every worker and reduced exactly as in `CollectiveAllReduce`
-(this class is one). Tables of `tfstrat.keras.layers.Embedding` layers go to the ps tasks,
-split into parts, and are reached over RPC (`tfstrat.ps.tables`, `tfstrat.ps.remote`): a step
-moves only the rows its batch touches, each worker sums its rows per id before sending, and
-the ps updates only those rows and their optimizer slots. Without ps tasks every table stays
-mirrored and its gradient goes through the deduplicated sparse all-gather, so `Hybrid()`
-works on any cluster and on one machine.
+(this class is one). As in Parallax, a variable goes by its gradient: every table whose gradient
+is sparse, that is the table of any `keras.layers.Embedding` (or subclass, from any library)
+read only by its lookup, goes to the ps tasks, split into parts, reached over RPC
+(`tfstrat.keras._ps_tables`, `tfstrat.ps.tables`, `tfstrat.ps.remote`): a step moves only the
+rows its batch touches, each worker sums its rows per id before sending, and the ps updates only
+those rows and their optimizer slots. A table with a dense gradient (a regularizer, tied
+weights) stays mirrored, and a line says why. Without ps tasks every table stays mirrored and
+its gradient goes through the deduplicated sparse all-gather, so `Hybrid()` works on any
+cluster and on one machine.
 """
 
 from __future__ import annotations
@@ -34,9 +37,11 @@ class Hybrid(CollectiveAllReduce):
 
     Args:
         tf_config: the cluster; None reads `TF_CONFIG`. ps tasks are optional.
-        sparse: which `tfstrat.keras.layers.Embedding` tables go to the ps tasks: "auto" (all
-            of them), or a list of name patterns (fnmatch, matched against the layer's name
-            and its table's path, e.g. ["*item*"]); [] keeps every table mirrored.
+        sparse: which embedding tables go to the ps tasks: "auto" (every table whose gradient
+            is sparse), or a list of patterns (fnmatch, matched against the layer's name and
+            its table's path, e.g. ["*item*"]); a pattern that starts with "!" keeps the
+            tables it matches mirrored (["!*position*"]: every table but those); [] keeps every
+            table mirrored.
         partitions: parts per table on the ps tasks: "auto" (the chief times a few counts at
             start-up and fits Parallax's step-time model, `tfstrat.ps.partitions`) or an
             integer.
@@ -46,9 +51,10 @@ class Hybrid(CollectiveAllReduce):
 
     Tables on ps tasks are updated row by row (`tfstrat.ps.rowmath`): SGD and Adagrad exactly as
     Keras's dense update of the same gradient; Adam, SGD with momentum and RMSprop lazily (rows
-    outside the batch keep their slots), as a mirrored table with `sparse_updates="lazy"`.
-    Other optimizers, and clipping, accumulation, EMA or weight decay that would not reach the
-    tables, are refused at the first step; `sparse=[]` keeps every table mirrored.
+    outside the batch keep their slots), as a mirrored table with `sparse_updates="lazy"`;
+    weight decay (AdamW) decays every row exactly as Keras does, each row when it is next read.
+    Other optimizers, and clipping, accumulation or EMA that would not reach the tables, are
+    refused at the first step; `sparse=[]` keeps every table mirrored.
     """
 
     def __init__(
@@ -70,8 +76,13 @@ class Hybrid(CollectiveAllReduce):
             from tfstrat.ps.server import serve_until_workers_exit
 
             serve_until_workers_exit(tf_config)  # does not return
-        if sparse != "auto" and not isinstance(sparse, (list, tuple)):
-            raise UsageError(f"Received: sparse={sparse!r}. Use 'auto' or a list of name patterns.")
+        if sparse != "auto" and not (
+            isinstance(sparse, (list, tuple)) and all(isinstance(p, str) for p in sparse)
+        ):
+            raise UsageError(
+                f"Received: sparse={sparse!r}. Use 'auto' or a list of name patterns "
+                "(e.g. ['*item*'], or ['!*position*'] for every table but those)."
+            )
         if partitions != "auto" and not (isinstance(partitions, int) and partitions >= 1):
             raise UsageError(f"Received: partitions={partitions!r}. Use 'auto' or an integer >= 1.")
         super().__init__(
@@ -87,21 +98,24 @@ class Hybrid(CollectiveAllReduce):
         self.partitions = partitions
         self.timeout = timeout
         self.tables: dict[str, object] = {}
+        self.mirrored_why: dict[str, str] = {}  # table path -> why it stays on the workers
         self._clients = None
         self._optimizer = None
         self._next_table = 0
+        self._next_meta = 0
         self._warned: set[str] = set()
-        self._sparse_mirrored: set[str] = set()
         if ps:
+            from tfstrat.keras import _ps_tables
             from tfstrat.ps.connect import wait_for_ps
             from tfstrat.ps.remote import TableClients
 
+            _ps_tables.install()
             wait_for_ps(tf_config, timeout, port_offset=_ports.offset())  # table servers
             self._clients = TableClients(ps, timeout, self.worker_index)
         logger.info(
             "tfstrat: Hybrid, %d ps task(s): %s; one line per embedding table at the first step",
             len(ps),
-            f"tables of tfstrat.keras.layers.Embedding on the ps tasks (sparse={sparse!r}), "
+            f"every embedding table whose gradient is sparse on the ps tasks (sparse={sparse!r}), "
             "every other variable mirrored"
             if ps
             else "every variable mirrored",
@@ -109,29 +123,33 @@ class Hybrid(CollectiveAllReduce):
 
     # -- tables --------------------------------------------------------------------------
 
-    def _wants_ps(self, layer) -> bool:
+    def _mirrored_because(self, layer, path: str) -> str | None:
+        """Why `layer`'s table stays on the workers, or None to hold it on the ps tasks."""
         if not self.ps_addresses:
-            return False
-        if self.sparse == "auto":
-            return True
-        names = (layer.name, f"{layer.name}/embeddings")
-        return any(fnmatch.fnmatch(n, p) for n in names for p in self.sparse)
+            return "no ps tasks in TF_CONFIG"
+        if self.sparse != "auto":
+            names = (layer.name, path)
+            take = [p for p in self.sparse if not p.startswith("!")]
+            drop = [p[1:] for p in self.sparse if p.startswith("!")]
+            if any(fnmatch.fnmatch(n, p) for n in names for p in drop):
+                return f"sparse={self.sparse!r} excludes it"
+            if take and not any(fnmatch.fnmatch(n, p) for n in names for p in take):
+                return f"sparse={self.sparse!r} does not name it"
+        if layer.embeddings_regularizer is not None:
+            name = type(layer.embeddings_regularizer).__name__
+            return f"embeddings_regularizer={name} gives every row a gradient"
+        return None
 
     def remote_table(self, layer):
-        """A table on the ps tasks for `layer` (a tfstrat Embedding), or None to mirror it."""
-        if not self._wants_ps(layer):
-            if not self.ps_addresses:  # placed as sparse, mirrored: no warning for it
-                self._sparse_mirrored.add(f"{layer.name}/embeddings")
+        """A table on the ps tasks for `layer` (a Keras Embedding being built), or None to
+        mirror it (`mirrored_why` says why)."""
+        from tfstrat.keras._ps_tables import table_path
+
+        path = table_path(layer)
+        why = self._mirrored_because(layer, path)
+        if why is not None:
+            self.mirrored_why[path] = why
             return None
-        if layer.embeddings_regularizer is not None:
-            # The worker holds no copy of a ps-held table, so a regularizer over every row
-            # cannot be computed there; dropping it silently would train another model.
-            raise UsageError(
-                f"Received: embeddings_regularizer={layer.embeddings_regularizer!r} on "
-                f"{layer.name!r}, whose table Hybrid puts on the ps tasks, where a regularizer "
-                "of every row is not applied. Drop the regularizer, or keep this table "
-                f"mirrored: Hybrid(sparse=[...]) without {layer.name!r} (or sparse=[])."
-            )
         from tfstrat.ps.remote import RemoteTable
 
         if self.partitions == "auto":
@@ -159,16 +177,25 @@ class Hybrid(CollectiveAllReduce):
             self.num_replicas_in_sync,
             init,
         )
-        self.tables[f"{layer.name}/embeddings"] = table
+        self.tables[path] = table
         logger.info(
             "tfstrat: table %s (%d x %d) on ps %s in %d part(s)",
-            layer.name,
+            path,
             layer.input_dim,
             layer.output_dim,
             sorted({ps for ps, *_ in layout}),
             parts,
         )
         return table
+
+    def mirror_table(self, layer, why: str) -> None:
+        """Forgets `layer`'s ps-held table (it comes back to the workers, `_ps_tables.mirror`)."""
+        from tfstrat.keras._ps_tables import table_path
+
+        path = table_path(layer)
+        table = self.tables.pop(path)
+        table.drop()
+        self.mirrored_why[path] = why
 
     def _layout(self, rows: int, parts: int, first: int):
         """(ps task, table number, first row, end row) of each part; parts go round-robin."""
@@ -183,7 +210,8 @@ class Hybrid(CollectiveAllReduce):
         from tfstrat.ps import partitions
         from tfstrat.ps.remote import RemoteTable
 
-        key = len(self.tables)  # tables are made in the same order on every worker
+        key = self._next_meta  # tables are made in the same order on every worker
+        self._next_meta += 1
         rows, dim = layer.input_dim, layer.output_dim
         if self.worker_index != 0:
             return self._clients.wait_meta(key, self.timeout, f"the partitions of {layer.name}")
@@ -215,12 +243,13 @@ class Hybrid(CollectiveAllReduce):
             return tf.constant(0, tf.int64)
         return tf.cast(self._optimizer.iterations, tf.int64)
 
-    def table_hyper(self):
+    def table_hyper(self, decays: bool = False):
+        """The optimizer numbers a push carries; `decays`: whether weight decay reaches the table."""
         from tfstrat.ps.remote import optimizer_hyper
 
         if self._optimizer is None:
             raise UsageError("tfstrat Hybrid: a table was trained outside `model.fit`.")
-        return optimizer_hyper(self._optimizer)
+        return optimizer_hyper(self._optimizer, decays)
 
     def placement(self) -> dict[str, list[str]]:
         """Where each ps-held table lives (its parts' ps devices)."""
@@ -248,15 +277,16 @@ class Hybrid(CollectiveAllReduce):
             variables = trainable_variables or optimizer._trainable_variables
             reported = self._report_tables(model, grads, variables)
             for g, v in zip(grads, variables):
-                expected = v.path in self._sparse_mirrored or v.path in reported
+                expected = v.path in self.mirrored_why or v.path in reported
                 if isinstance(g, tf.IndexedSlices) and not expected and v.path not in self._warned:
                     self._warned.add(v.path)
                     logger.warning(
                         "tfstrat: %s is mirrored but its gradient is sparse: it is reduced "
-                        "sparsely (deduplicated all-gather). To hold it on the ps tasks, use "
-                        "tfstrat.keras.layers.Embedding%s.",
+                        "sparsely (deduplicated all-gather). Hybrid holds on the ps tasks the "
+                        "tables of Keras Embedding layers (and their subclasses); this variable "
+                        "is read by another layer%s.",
                         v.path,
-                        "" if self.ps_addresses else " and start ps tasks",
+                        "" if self.ps_addresses else ", and there are no ps tasks",
                     )
             return apply(grads, trainable_variables)
 
