@@ -88,18 +88,20 @@ def test_hybrid_with_a_ps_and_its_table_lines(tmp_path):
     lines = _table_lines(log)
     assert sorted(lines) == ["movie", "movie_bias", "table"], log[-3000:]
     assert lines["table"].startswith(
-        "200 x 4, Embedding): on ps 0 in 1 part(s), no copy on the workers; the batch's rows "
+        "200 x 4, tfstrat.keras.layers.Embedding): on ps 0 in 1 part(s), no copy on the workers; the batch's rows "
         "are fetched from the ps"
     ), lines
     # A plain keras.layers.Embedding goes by its gradient: sparse to the ps, dense (l2) not.
-    assert lines["movie_bias"].startswith("200 x 1, Embedding): on ps 0 in 1 part(s)"), lines
+    assert lines["movie_bias"].startswith(
+        "200 x 1, keras.layers.Embedding): on ps 0 in 1 part(s)"
+    ), lines
     assert lines["movie"].startswith(
-        "200 x 2, Embedding): mirrored on every worker (embeddings_regularizer=L2 gives every "
+        "200 x 2, keras.layers.Embedding): mirrored on every worker (embeddings_regularizer=L2 gives every "
         "row a gradient); dense gradient, all-reduced whole (1,600 bytes per step). To put it "
         "on the ps: drop its embeddings_regularizer."
     ), lines
     assert "movie_bias/embeddings is mirrored but its gradient is sparse" not in log
     regularized = re.findall(r"\[worker:\d\] regularized table: (.*)", log)
-    assert regularized == [
-        "mirrored: embeddings_regularizer=L2 gives every row a gradient"
-    ] * 2, log[-3000:]
+    assert regularized == ["mirrored: embeddings_regularizer=L2 gives every row a gradient"] * 2, (
+        log[-3000:]
+    )

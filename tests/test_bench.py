@@ -75,7 +75,7 @@ def test_allreduce_quick_writes_the_table(tmp_path, capsys):
 @pytest.mark.cluster
 @pytest.mark.slow
 def test_sparse_quick_writes_the_table(tmp_path, capsys):
-    ids = ["P-1", "PS-A-2", "H-2"]
+    ids = ["P-1", "PS-A-2", "H-2", "H-2k"]
     args = ["--quick", "--workers", "2", "--rows", ",".join(ids), "--vocab", "3000,6000"]
     code = main(["bench", "sparse", *args, "--out", str(tmp_path)])
     assert code == 0, capsys.readouterr()
@@ -85,8 +85,9 @@ def test_sparse_quick_writes_the_table(tmp_path, capsys):
         assert "error" not in r, r
         assert r["examples_per_s"] > 0 and r["final_loss"] > 0 and r["peak_rss_mb"] > 0
         assert r["table_bytes"] == r["vocab"] * 64 * 4
-        # The Hybrid table server reports its own memory; no other row has one.
-        assert (r["ps_peak_rss_mb"] is not None) == (r["row"] == "H-2"), r
+        # The Hybrid table server reports its own memory; no other row has one. H-2k's model
+        # has a plain keras.layers.Embedding: its table is on the ps too.
+        assert (r["ps_peak_rss_mb"] is not None) == r["row"].startswith("H-"), r
         assert r["ps_peak_rss_mb"] is None or r["ps_peak_rss_mb"] > 0
         assert r["vs_P1"] > 0  # against the P-1 of the same table size
         # Measured from what the strategy handed its collectives (a packed sparse gather was

@@ -15,6 +15,7 @@ that the tier does the same on every CPU; `test_empty_replica_under_onednn` turn
 where a Conv2D of 0 rows has the wrong shape (the case a replica with no rows must skip).
 """
 
+import json
 import math
 import os
 
@@ -41,13 +42,13 @@ def out(tmp_path_factory):
     return out
 
 
-def _check(out: str, kind: str, patterns: list[str]) -> None:
+def _check(out: str, kind: str, patterns: list[str], reference: str = REFERENCE) -> None:
     failures = []
     for pattern in patterns:
         if pattern in RUNS_ONLY:
             failures += _ran(out, pattern, kind)
             continue
-        result = compare(out, pattern, kind, reference=REFERENCE)
+        result = compare(out, pattern, kind, reference=reference)
         if result["cell"] != "exact":
             failures.append(f"{pattern}: {result['cell']}")
     for task, run in load(out, "hub_save_resume", kind).items():
@@ -105,3 +106,52 @@ def test_empty_replica_under_onednn(tmp_path):
     assert result["cell"] == "exact", result["cell"]
     assert not _ran(out, patterns[1], "mirrored")
     assert result["weights"] <= TOLERANCE
+
+
+def _placement(out: str, pattern: str, task: str) -> dict:
+    with open(os.path.join(out, pattern, f"hybrid.{task}.placement.json")) as f:
+        return json.load(f)
+
+
+@pytest.mark.timeout(900)
+def test_hybrid_holds_library_tables_on_the_ps_by_their_gradient(tmp_path):
+    """Hybrid with 1 ps (2 workers) on code nobody here wrote: keras-hub's BERT classifier
+    (AdamW whose decay reaches the tables, as keras-hub's recipe), keras.io's keras-rs ranking
+    model (three keras.layers.Embedding tables) and keras-hub's GPT-2 (its token table tied to
+    the logits). Every table with a sparse gradient lives on the ps and no worker holds a copy;
+    GPT-2's tied table comes back mirrored and says why. Each equals one device whose tables
+    take the ps's update rule (`none-lazy`: lazy Adam, Keras's weight decay of every row)."""
+    patterns = ["hub_bert", "rs_ranking", "hub_gpt2"]
+    out = str(tmp_path)
+    for kind in ("none-lazy", "hybrid"):
+        _run(out, kind, patterns)
+    _check(out, "hybrid", patterns, reference="none-lazy")
+
+    for pattern, count in (("hub_bert", 2), ("rs_ranking", 3)):  # BERT: token, segment
+        for task in ("worker0", "worker1"):
+            placed = _placement(out, pattern, task)
+            tables = {k: v for k, v in placed.items() if k not in ("variables", "mirrored_why")}
+            assert len(tables) == count, (pattern, tables)
+            for path, devices in tables.items():
+                assert devices and set(devices) == {"/job:ps/replica:0/task:0/device:CPU:0"}, (
+                    pattern,
+                    path,
+                    devices,
+                )
+                assert path not in placed["variables"], (pattern, task, path)  # no worker copy
+            held = [p for p in placed["variables"] if p.endswith("/embeddings")]
+            assert all("position_embedding" in p for p in held), (pattern, task, held)
+    # BERT's position table is a PositionEmbedding (sliced, a dense gradient): mirrored.
+    assert any(
+        "position_embedding" in p for p in _placement(out, "hub_bert", "worker0")["variables"]
+    )
+
+    gpt2 = _placement(out, "hub_gpt2", "worker0")
+    token = [k for k in gpt2 if k.endswith("token_embedding/embeddings")]
+    assert len(token) == 1 and gpt2[token[0]] == [], gpt2  # tied: mirrored
+    assert any(p.endswith("token_embedding/embeddings") for p in gpt2["variables"]), gpt2
+    why = [w for p, w in gpt2["mirrored_why"].items() if p.endswith("token_embedding/embeddings")]
+    assert why and "read whole outside its lookup" in why[0], gpt2["mirrored_why"]
+    with open(os.path.join(out, "hybrid.log")) as f:
+        log = f.read()
+    assert "ReversibleEmbedding): mirrored on every worker (the table is also read whole" in log

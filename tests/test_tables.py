@@ -5,7 +5,9 @@ import pytest
 
 from tfstrat.ps.tables import KINDS, Table
 
-SGD = np.array([KINDS.index("sgd"), 0.5, 0.9, 0.999, 1e-7, 0.1, 0, 0, 0.9, 0.1, 0.001, 0.1, 0], "f4")
+SGD = np.array(
+    [KINDS.index("sgd"), 0.5, 0.9, 0.999, 1e-7, 0.1, 0, 0, 0.9, 0.1, 0.001, 0.1, 0], "f4"
+)
 
 
 def _table(workers=2):

@@ -57,8 +57,36 @@ def mlp(outputs: int = CLASSES, name: str | None = None):
 
 
 def result(model, metrics: dict) -> dict:
-    weights = [v.numpy() for v in model.weights if "seed_generator" not in v.path]
-    return {"weights": weights, "metrics": {k: float(np.mean(v)) for k, v in metrics.items()}}
+    """The model's weights (a table Hybrid holds on the ps read whole from there, where its
+    stand-in "anchor" weight is), the metrics, and where each embedding table lives."""
+    tables = {}  # anchor weight -> its layer
+    for layer in model._flatten_layers():
+        anchor = getattr(layer, "_anchor", None)
+        if anchor is not None:
+            tables[id(anchor)] = layer
+    weights = [
+        np.asarray(tables[id(v)].embeddings) if id(v) in tables else v.numpy()
+        for v in model.weights
+        if "seed_generator" not in v.path
+    ]
+    return {
+        "weights": weights,
+        "metrics": {k: float(np.mean(v)) for k, v in metrics.items()},
+        "placement": placement(model),
+    }
+
+
+def placement(model) -> dict:
+    """{table path: ps devices ([] when mirrored)} of the model's Embedding layers, and the
+    paths and shapes of every variable the worker holds ("variables")."""
+    import keras
+
+    out = {"variables": {v.path: list(v.shape) for v in model.weights}}
+    for layer in model._flatten_layers():
+        if isinstance(layer, keras.layers.Embedding):
+            held = getattr(layer._embeddings, "remote", None)  # a ps-held table (PsTable)
+            out[f"{layer.path}/embeddings"] = held.devices if held is not None else []
+    return out
 
 
 def history_and_eval(model, history, x, y, **kw) -> dict:

@@ -11,6 +11,7 @@ line). A pattern that fails on every task the same way leaves the others to run.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import traceback
@@ -29,6 +30,7 @@ CLUSTERS = {
 STRATEGIES = (
     "none",
     "none-dense",
+    "none-lazy",
     "mirrored",
     "collective",
     "hybrid",
@@ -52,6 +54,9 @@ def make_strategy(kind: str):
         return None
     if kind == "none-dense":
         densify_sparse_gradients()
+        return None
+    if kind == "none-lazy":
+        lazy_tables()
         return None
     if kind == "mirrored":
         return tfstrat.MirroredNCCL(timeout=TIMEOUT)
@@ -90,6 +95,24 @@ def densify_sparse_gradients() -> None:
     BaseOptimizer.apply = apply
 
 
+def lazy_tables() -> None:
+    """One device, every Embedding's table updated row by row (lazy Adam, the repeats of an id
+    summed): the update rule Hybrid's ps applies to the tables it holds, so the reference for
+    a run whose tables live on the ps. Weight decay stays Keras's: every row, every step."""
+    import keras
+
+    from tfstrat.keras import _rowwise
+
+    keras_build = keras.layers.Embedding.build
+
+    def build(self, input_shape=None):
+        keras_build(self, input_shape)
+        if getattr(self, "_embeddings", None) is not None:
+            _rowwise.mark(self._embeddings, "lazy")
+
+    keras.layers.Embedding.build = build
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 3:
         print(__doc__, file=sys.stderr)
@@ -123,6 +146,9 @@ def main(argv: list[str]) -> int:
             if not isinstance(e, Exception):
                 raise
             continue
+        with open(base + ".placement.json", "w") as f:
+            why = getattr(strategy, "mirrored_why", {})
+            json.dump({**result["placement"], "mirrored_why": why}, f)
         arrays = {f"w{i}": np.asarray(w) for i, w in enumerate(result["weights"])}
         arrays.update({f"m:{k}": np.asarray(v, np.float64) for k, v in result["metrics"].items()})
         np.savez(base + ".npz", **arrays)

@@ -110,8 +110,12 @@ if KIND == "hybrid":  # a regularizer gives every row a gradient: the table stay
     with strategy.scope():
         reg = tfstrat.keras.layers.Embedding(VOCAB, 3, embeddings_regularizer="l2", name="reg")
         reg(keras.Input((1,), dtype="int32"))
-    print("regularized table:", "on the ps" if strategy.tables.get("reg/embeddings") else
-          f"mirrored: {strategy.mirrored_why.get('reg/embeddings')}")
+    print(
+        "regularized table:",
+        "on the ps"
+        if strategy.tables.get("reg/embeddings")
+        else f"mirrored: {strategy.mirrored_why.get('reg/embeddings')}",
+    )
 if chief:  # after the distributed runs: the other workers do not wait for it
     for name, synchronized, steps in RUNS:
         ref, ref_evaluated = train(tf.distribute.get_strategy().scope, synchronized, steps)

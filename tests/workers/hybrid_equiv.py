@@ -80,8 +80,7 @@ for name in ("sgd",) if args.steps_only else ("sgd", "adagrad"):
         before = sum(tcp_bytes(ps_ports))
         model.fit((x[:n], inputs[1][:n]), y[:n], batch_size=args.global_batch, verbose=0)
         report["bytes_per_step"] = (sum(tcp_bytes(ps_ports)) - before) / args.steps_only
-        # A stock Embedding's table is mirrored (its lookup reads the table) yet its gradient
-        # is sparse: Hybrid reduces it sparsely and warns once, naming it.
+        # A stock Embedding's table goes to the ps too (its gradient is sparse): its line says so.
         with scope():
             stock = compile_model(build(stock=True), optimizer("sgd"))
         stock.fit((x[:24], inputs[1][:24]), y[:24], batch_size=24, verbose=0)

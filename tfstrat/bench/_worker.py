@@ -100,12 +100,15 @@ def _strategy(tf, name: str, devices: int):
 def _sparse_model(keras, vocab: int, dim: int, seq: int, classes: int):
     """LM1B-like: a large embedding table and a small dense head with real compute.
 
-    Keras 3 rows use tfstrat's Embedding (Keras 3's reads the whole table every step); the
-    tf-keras peers use tf-keras's, which gathers rows already.
+    Keras 3 rows use tfstrat's Embedding (Keras 3's reads the whole table every step), or
+    Keras's own with TFSTRAT_BENCH_EMBEDDING=keras (under Hybrid both tables live on the ps);
+    the tf-keras peers use tf-keras's, which gathers rows already.
     """
+    import os
+
     layers = keras.layers
     embedding = layers.Embedding
-    if keras.__name__ == "keras":
+    if keras.__name__ == "keras" and os.environ.get("TFSTRAT_BENCH_EMBEDDING") != "keras":
         from tfstrat.keras.layers import Embedding as embedding
     inputs = keras.Input((seq,), dtype="int32")
     x = embedding(vocab, dim)(inputs)
@@ -116,8 +119,8 @@ def _sparse_model(keras, vocab: int, dim: int, seq: int, classes: int):
     return keras.Model(inputs, layers.Dense(classes)(x))
 
 
-#: Held-out images for the accuracy rows (the same for every seed and row). 1,024 until session
-#: 9: a standard error of 1.4 points at 75%, too coarse for a "within 1 point" goal.
+#: Held-out images for the accuracy rows (the same for every seed and row). 1,024 is too few: a
+#: standard error of 1.4 points at 75%, too coarse for a "within 1 point" goal.
 HELD_OUT = 8192
 
 

@@ -49,6 +49,14 @@ def _rows(c: SparseConfig, cpus: int) -> list[dict]:
         (f"PS-S-{w}", "ParameterServer sync, 1 ps", "ps-sync", w, t, None),
         (f"PS-A-{w}", "ParameterServer async, 1 ps", "ps-async", w, t, None),
         (f"H-{w}", "Hybrid, 1 ps", "hybrid", w, t, None),
+        (
+            f"H-{w}k",
+            "Hybrid, 1 ps, keras.layers.Embedding",
+            "hybrid",
+            w,
+            t,
+            {"TFSTRAT_BENCH_EMBEDDING": "keras"},
+        ),
     ]
     if c.peer:
         rows.append(("S-1", "stock, tf-keras, no strategy", "tfkeras-none", 1, t, legacy))

@@ -79,7 +79,9 @@ class PsTable:
         if tf.executing_eagerly():
             return tf.constant(self.numpy(), dtype=dtype, name=name)
         if in_symbolic_scope():  # Keras building the model: the table's gradient will be dense
-            mirror(self.layer, "the table is also read whole outside its lookup (tied weights)")
+            mirror(
+                self.layer, "the table is also read whole outside its lookup, as tied weights are"
+            )
             return tf.convert_to_tensor(self.layer._embeddings, dtype=dtype, name=name)
         return tf.cast(_read_whole(self, self.layer._anchor), dtype or tf.float32, name=name)
 

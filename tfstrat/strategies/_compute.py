@@ -28,8 +28,10 @@ outside the compiled part.
 
 Neither applies to models with `BatchNormalization(synchronized=True)` (its all-reduce runs
 inside the forward pass, and every replica must join it: their empty replicas run the forward
-pass on 0 rows, as before, and their steps are not compiled), nor to custom `train_step`s
-(their all-reduce is inside the step; they are not compiled either).
+pass on 0 rows, as before, and their steps are not compiled), to models with a table Hybrid
+holds on the ps tasks (the ps applies a step once every replica pushed, an empty push
+included), nor to custom `train_step`s (their all-reduce is inside the step; they are not
+compiled either).
 """
 
 from __future__ import annotations
@@ -40,10 +42,15 @@ from tfstrat.reduce import sparse
 
 
 def can_skip(model) -> bool:
-    """Whether `model`'s forward pass holds no collective of its own (a replica may skip it)."""
+    """Whether `model`'s forward pass holds no collective of its own (a replica may skip it):
+    no synchronized BatchNormalization, no ps-held table (every replica pushes each step)."""
+    from tfstrat.keras._ps_tables import remote
+
     flatten = getattr(model, "_flatten_layers", None)
-    layers = flatten() if flatten else ()
-    return not any(getattr(layer, "synchronized", False) is True for layer in layers)
+    layers = list(flatten()) if flatten else []
+    if any(getattr(layer, "synchronized", False) is True for layer in layers):
+        return False
+    return not any(remote(layer) is not None for layer in layers)
 
 
 def rows_of(args) -> tf.Tensor | None:

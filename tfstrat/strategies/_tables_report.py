@@ -13,8 +13,19 @@ import tensorflow as tf
 from tfstrat.reduce import sparse as _sparse
 
 
+def _kind(layer) -> str:
+    """The layer's class as its user knows it: keras.layers.Embedding, keras_hub.X, ..."""
+    cls = type(layer)
+    package = cls.__module__.split(".")[0]
+    if package == "tfstrat":
+        return f"tfstrat.keras.layers.{cls.__name__}"
+    if package == "keras":
+        return f"keras.layers.{cls.__name__}"
+    return f"{package}.{cls.__name__}"
+
+
 def _head(layer) -> str:
-    return f"table {layer.name} ({layer.input_dim} x {layer.output_dim}, {type(layer).__name__})"
+    return f"table {layer.name} ({layer.input_dim} x {layer.output_dim}, {_kind(layer)})"
 
 
 def _how_to_ps(strategy, layer, why: str | None, grad) -> str:

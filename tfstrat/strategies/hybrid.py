@@ -177,7 +177,10 @@ class Hybrid(CollectiveAllReduce):
             self.num_replicas_in_sync,
             init,
         )
-        self.tables[path] = table
+        key, k = path, 1
+        while key in self.tables:  # a second model's layer of the same path
+            key, k = f"{path}#{k + 1}", k + 1
+        self.tables[key] = table
         logger.info(
             "tfstrat: table %s (%d x %d) on ps %s in %d part(s)",
             path,
@@ -190,12 +193,13 @@ class Hybrid(CollectiveAllReduce):
 
     def mirror_table(self, layer, why: str) -> None:
         """Forgets `layer`'s ps-held table (it comes back to the workers, `_ps_tables.mirror`)."""
-        from tfstrat.keras._ps_tables import table_path
+        from tfstrat.keras._ps_tables import remote, table_path
 
-        path = table_path(layer)
-        table = self.tables.pop(path)
-        table.drop()
-        self.mirrored_why[path] = why
+        held = remote(layer)
+        for key in [k for k, t in self.tables.items() if t is held]:
+            del self.tables[key]
+        held.drop()
+        self.mirrored_why[table_path(layer)] = why
 
     def _layout(self, rows: int, parts: int, first: int):
         """(ps task, table number, first row, end row) of each part; parts go round-robin."""
