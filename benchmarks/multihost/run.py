@@ -158,8 +158,12 @@ def run_netns(net, row, args) -> dict:
         }
 
     servers = [
-        net.start(args.workers + j, [sys.executable, "-m", "tfstrat", "server"], env("ps", j),
-                  name=f"ps:{j}")  # fmt: skip
+        net.start(
+            args.workers + j,
+            [sys.executable, "-m", "tfstrat", "server"],
+            env("ps", j),
+            name=f"ps:{j}",
+        )  # fmt: skip
         for j in range(ps)
     ]
     command = [sys.executable, "-m", _module(row), json.dumps(_worker_config(row, args))]

@@ -62,7 +62,6 @@ def strategy(variant: str):
     }[variant]()
 
 
-
 def setup(variant: str, threads: int, batch: int):
     """(model, dataset), the model compiled under `variant`'s strategy and warmed up."""
     import tensorflow as tf

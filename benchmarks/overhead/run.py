@@ -107,8 +107,10 @@ def main():
         for proc in procs:
             proc.close()
     ref = procs[0].results
-    print(f"\nthreads={a.threads or 'default'}, {a.rounds} rounds of {a.steps - 1} timed steps, "
-          f"{time.monotonic() - started:.0f} s")
+    print(
+        f"\nthreads={a.threads or 'default'}, {a.rounds} rounds of {a.steps - 1} timed steps, "
+        f"{time.monotonic() - started:.0f} s"
+    )
     print(
         "| process | ex/s | / P-1 (min-max) | CPU ms/step (system) | P-1 CPU / this "
         "| faults/step | peak RSS MB |"

@@ -128,8 +128,11 @@ class RemoteTable:
     def __init__(self, clients: TableClients, name, rows, dim, parts, workers, init: dict):
         self.clients, self.name, self.rows, self.dim = clients, name, rows, dim
         self.parts, self.replicas = parts, workers
-        spec = np.frombuffer(json.dumps(init).encode(), np.uint8)
+        last = {ps: number for ps, number, _, _ in parts}  # each ps's last part of the table
         for ps, number, lo, hi in parts:
+            # Each part is rows lo..hi of the table one initializer draws whole, as on one device.
+            part = dict(init, first=lo, total=rows, last=last[ps] == number)
+            spec = np.frombuffer(json.dumps(part).encode(), np.uint8)
             clients.call(ps, "create", *np.array([number, hi - lo, dim, workers], np.int64), spec)
 
     def drop(self) -> None:

@@ -263,15 +263,34 @@ def _sum_rows(pushes, dim: int):
 
 
 def _initial(rows: int, dim: int, init: dict) -> np.ndarray:
-    """The initial table: from a Keras initializer's config and seed, computed on the ps."""
+    """The initial rows: from a Keras initializer's config and seed, computed on the ps. A part
+    of a table (`init["first"]`, `init["total"]` rows in all) is its rows of the whole table's
+    draw, so a table split into parts starts as the same table on one device does."""
     if init.get("zeros", False):
         return np.zeros((rows, dim), np.float32)
-    import keras
+    first, total = int(init.get("first", 0)), int(init.get("total", rows))
+    spec = json.dumps({k: v for k, v in init.items() if k not in ("first", "last")})
+    part = np.array(_drawn(spec, total, dim)[first : first + rows], np.float32)
+    if init.get("last", True):  # this ps's last part of the table: the draw is not kept
+        _last_draw.clear()
+    return part
 
-    initializer = keras.initializers.deserialize(init["initializer"])
-    if init.get("seed") is not None and hasattr(initializer, "seed"):
-        initializer.seed = init["seed"]
-    return np.array(initializer((rows, dim), dtype="float32"), np.float32)
+
+_last_draw: dict = {}  # the whole table drawn for a part: this ps's next part of it reuses it
+
+
+def _drawn(spec: str, rows: int, dim: int) -> np.ndarray:
+    key = (spec, rows, dim)
+    if key not in _last_draw:
+        import keras
+
+        init = json.loads(spec)
+        initializer = keras.initializers.deserialize(init["initializer"])
+        if init.get("seed") is not None and hasattr(initializer, "seed"):
+            initializer.seed = init["seed"]
+        _last_draw.clear()
+        _last_draw[key] = np.asarray(initializer((rows, dim), dtype="float32"), np.float32)
+    return _last_draw[key]
 
 
 class Registry:
