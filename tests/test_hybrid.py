@@ -94,3 +94,30 @@ def test_a_ps_table_over_grpcs_message_limit_saves_and_loads_into_stock_keras(tm
     assert code == 0, out[-6000:]
     (line,) = [x for x in out.splitlines() if "] round trip " in x]
     assert float(line.rsplit(" ", 1)[1]) < 1e-5, line
+
+
+def test_which_tables_stay_mirrored_and_why():
+    """`sparse=` patterns (fnmatch on the layer's name and the table's path; "!" keeps a
+    table mirrored) and the dense-gradient rule for regularizers, with the reason each
+    mirrored table's start-up line gives."""
+    import types
+
+    import keras
+
+    from tfstrat import Hybrid
+
+    def why(sparse, name="items", regularizer=None, ps=("127.0.0.1:1",)):
+        layer = keras.layers.Embedding(10, 2, name=name, embeddings_regularizer=regularizer)
+        hybrid = types.SimpleNamespace(ps_addresses=ps, sparse=sparse)
+        return Hybrid._mirrored_because(hybrid, layer, f"tower/{name}/embeddings")
+
+    assert why("auto") is None
+    assert why(["*item*"]) is None
+    assert why(["tower/*"]) is None  # the table's path
+    assert why(["*user*"]) == "sparse=['*user*'] does not name it"
+    assert why(["!*item*"]) == "sparse=['!*item*'] excludes it"
+    assert why(["!*user*"]) is None  # only exclusions: every other table goes
+    assert why(["*", "!items"]) == "sparse=['*', '!items'] excludes it"
+    assert why([]) == "sparse=[] does not name it"
+    assert why("auto", regularizer="l2") == "embeddings_regularizer=L2 gives every row a gradient"
+    assert why("auto", ps=()) == "no ps tasks in TF_CONFIG"

@@ -16,7 +16,9 @@ Usage: python faults_resume_run.py OUT STRATEGY PHASE OPT:STOP [OPT:STOP ...]
         end; the chief saves OUT/resumed-OPT.weights.h5
 After a resume, every worker writes OUT/resumed-<task>.json: per OPT, the (epoch, batches) it
 trained.
-Three epochs of 10 steps (240 examples, global batch 24), `shuffle=True`.
+Three epochs of 10 steps (240 examples, global batch 24), `shuffle=True`. The model's table is
+a `tfstrat.keras.layers.Embedding`, or under Hybrid a plain `keras.layers.Embedding` (Hybrid
+holds it on the ps either way).
 """
 
 import json
@@ -113,7 +115,8 @@ models = []  # kept alive: ParameterServer's start-up agreement remembers models
 def fit(name, backup, stop=None):
     global seen
     with strategy.scope():
-        model = compile_model(build(), optimizer(name))
+        # Hybrid: a plain keras.layers.Embedding, whose table Hybrid holds on the ps all the same.
+        model = compile_model(build(stock=kind == "hybrid"), optimizer(name))
     models.append(model)
     seen = Seen()
     backup_class, kwargs, extra = tfcallbacks.BackupAndRestore, {}, []

@@ -133,7 +133,7 @@ class Hybrid(CollectiveAllReduce):
             drop = [p[1:] for p in self.sparse if p.startswith("!")]
             if any(fnmatch.fnmatch(n, p) for n in names for p in drop):
                 return f"sparse={self.sparse!r} excludes it"
-            if take and not any(fnmatch.fnmatch(n, p) for n in names for p in take):
+            if (take or not drop) and not any(fnmatch.fnmatch(n, p) for n in names for p in take):
                 return f"sparse={self.sparse!r} does not name it"
         if layer.embeddings_regularizer is not None:
             name = type(layer.embeddings_regularizer).__name__
