@@ -117,17 +117,18 @@ def _placement(out: str, pattern: str, task: str) -> dict:
 def test_hybrid_holds_library_tables_on_the_ps_by_their_gradient(tmp_path):
     """Hybrid with 1 ps (2 workers) on code nobody here wrote: keras-hub's BERT classifier
     (AdamW whose decay reaches the tables, as keras-hub's recipe), keras.io's keras-rs ranking
-    model (three keras.layers.Embedding tables) and keras-hub's GPT-2 (its token table tied to
-    the logits). Every table with a sparse gradient lives on the ps and no worker holds a copy;
+    model (three keras.layers.Embedding tables), keras-rs's DistributedEmbedding (Adam) and
+    keras-hub's GPT-2 (its token table tied to the logits). Every table with a sparse gradient lives on the ps and no worker holds a copy;
     GPT-2's tied table comes back mirrored and says why. Each equals one device whose tables
     take the ps's update rule (`none-lazy`: lazy Adam, Keras's weight decay of every row)."""
-    patterns = ["hub_bert", "rs_ranking", "hub_gpt2"]
+    patterns = ["hub_bert", "rs_ranking", "rs_distributed_embedding", "hub_gpt2"]
     out = str(tmp_path)
     for kind in ("none-lazy", "hybrid"):
         _run(out, kind, patterns)
     _check(out, "hybrid", patterns, reference="none-lazy")
 
-    for pattern, count in (("hub_bert", 2), ("rs_ranking", 3)):  # BERT: token, segment
+    # BERT: token, segment; keras-rs's DistributedEmbedding: its two EmbedReduce tables.
+    for pattern, count in (("hub_bert", 2), ("rs_ranking", 3), ("rs_distributed_embedding", 2)):
         for task in ("worker0", "worker1"):
             placed = _placement(out, pattern, task)
             tables = {k: v for k, v in placed.items() if k not in ("variables", "mirrored_why")}

@@ -174,6 +174,49 @@ def rs_ranking(ctx):
     return result(model, _fit_eval_predict(model, x, y))
 
 
+def rs_distributed_embedding(ctx):
+    """keras-rs's `DistributedEmbedding` (two tables behind feature configs; on CPUs and GPUs
+    each table is an `EmbedReduce`, a `keras.layers.Embedding` that averages a bag of 3 ids
+    per row), Adam."""
+    import keras
+    import keras_rs
+
+    rng = np.random.default_rng(6)
+    sizes = {"user": 40, "item": 25}
+    x = {k: rng.integers(0, n, size=(ROWS, 3)).astype("int32") for k, n in sizes.items()}
+    y = ((x["user"][:, 0] + x["item"][:, 0]) % 2).astype("float32")
+    with ctx.scope():
+        seeded()
+        configs = {
+            name: keras_rs.layers.FeatureConfig(
+                name=name,
+                table=keras_rs.layers.TableConfig(
+                    name=f"{name}_table",
+                    vocabulary_size=n,
+                    embedding_dim=4,
+                    # Seeded: TableConfig's default initializer is made at import, its seed
+                    # drawn before any seed is set, so it differs from process to process.
+                    initializer=keras.initializers.RandomUniform(-0.05, 0.05, seed=n),
+                    optimizer="adam",
+                ),
+                input_shape=(BATCH, 3),
+                output_shape=(BATCH, 4),
+            )
+            for name, n in sizes.items()
+        }
+        inputs = {k: keras.Input((3,), dtype="int32", name=k) for k in x}
+        embedded = keras_rs.layers.DistributedEmbedding(configs)(inputs)
+        hidden = keras.layers.Concatenate()([embedded["user"], embedded["item"]])
+        output = keras.layers.Dense(1)(keras.layers.Dense(8, activation="relu")(hidden))
+        model = keras.Model(inputs, output)
+        model.compile(
+            optimizer=keras.optimizers.Adam(0.01),
+            loss=keras.losses.BinaryCrossentropy(from_logits=True),
+            metrics=["binary_accuracy"],
+        )
+    return result(model, _fit_eval_predict(model, x, y))
+
+
 _WORDS = "the a cat dog sat ran on mat log fast slow red big".split()
 
 
@@ -397,6 +440,7 @@ PATTERNS = {
         hub_gpt2,
         hub_bert,
         rs_ranking,
+        rs_distributed_embedding,
         hub_tokenizer,
         raw_strings,
         conv_small_last_batch,
