@@ -177,10 +177,7 @@ class Hybrid(CollectiveAllReduce):
             self.num_replicas_in_sync,
             init,
         )
-        key, k = path, 1
-        while key in self.tables:  # a second model's layer of the same path
-            key, k = f"{path}#{k + 1}", k + 1
-        self.tables[key] = table
+        self.tables[path] = table  # a later model's table of the same path replaces it here
         logger.info(
             "tfstrat: table %s (%d x %d) on ps %s in %d part(s)",
             path,
@@ -256,7 +253,8 @@ class Hybrid(CollectiveAllReduce):
         return optimizer_hyper(self._optimizer, decays)
 
     def placement(self) -> dict[str, list[str]]:
-        """Where each ps-held table lives (its parts' ps devices)."""
+        """Where each ps-held table lives (its parts' ps devices), by the table's path (the
+        latest model's, when several have one of the same path)."""
         return {path: table.devices for path, table in self.tables.items()}
 
     # -- steps --------------------------------------------------------------------------
