@@ -118,10 +118,11 @@ def test_hybrid_holds_library_tables_on_the_ps_by_their_gradient(tmp_path):
     """Hybrid with 1 ps (2 workers) on code nobody here wrote: keras-hub's BERT classifier
     (AdamW whose decay reaches the tables, as keras-hub's recipe), keras.io's keras-rs ranking
     model (three keras.layers.Embedding tables), keras-rs's DistributedEmbedding (Adam) and
-    keras-hub's GPT-2 (its token table tied to the logits). Every table with a sparse gradient lives on the ps and no worker holds a copy;
+    keras-hub's GPT-2 (its token table tied to the logits), and `jit_compile=True` over a
+    ps-held table (run without XLA: the lookups call the ps). Every table with a sparse gradient lives on the ps and no worker holds a copy;
     GPT-2's tied table comes back mirrored and says why. Each equals one device whose tables
     take the ps's update rule (`none-lazy`: lazy Adam, Keras's weight decay of every row)."""
-    patterns = ["hub_bert", "rs_ranking", "rs_distributed_embedding", "hub_gpt2"]
+    patterns = ["hub_bert", "rs_ranking", "rs_distributed_embedding", "hub_gpt2", "jit_compiled"]
     out = str(tmp_path)
     for kind in ("none-lazy", "hybrid"):
         _run(out, kind, patterns)

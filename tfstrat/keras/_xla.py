@@ -10,13 +10,35 @@ So, under a tfstrat strategy, Keras builds its step function without XLA, and th
 marked: each replica's computation (forward, backward and metric updates) is compiled by XLA
 on its own device, and the exchange and the optimizer's update run outside the compiled part
 (`tfstrat.strategies._compute`).
+
+A model with tables Hybrid holds on the ps tasks runs without XLA (its lookups are calls to the
+ps, which XLA cannot compile), predict included; one line says so.
 """
 
 from __future__ import annotations
 
+import logging
+
 from tfstrat._compat import patches
 
+logger = logging.getLogger(__name__)
 _installed = False
+
+
+def _has_ps_tables(model) -> bool:
+    from tfstrat.keras._ps_tables import remote
+
+    flatten = getattr(model, "_flatten_layers", None)
+    if not flatten or not any(remote(layer) is not None for layer in flatten()):
+        return False
+    if not getattr(model, "_tfstrat_no_xla_said", False):
+        model._tfstrat_no_xla_said = True
+        logger.info(
+            "tfstrat: jit_compile=True: %s runs without XLA (its tables are on the ps tasks, "
+            "and the lookups are calls to the ps, which XLA cannot compile)",
+            model.name,
+        )
+    return True
 
 
 def install() -> None:
@@ -28,12 +50,14 @@ def install() -> None:
         return  # (after `patches.remove_all()` it installs again)
 
     keras_make_function = TensorFlowTrainer._make_function
+    keras_make_predict_function = TensorFlowTrainer.make_predict_function
 
     def _make_function(self, step_function):
         strategy = self._distribute_strategy
         tfstrat = strategy is not None and type(strategy).__module__.startswith("tfstrat.")
-        self._tfstrat_jit = bool(tfstrat and not self.run_eagerly and self.jit_compile)
-        if not self._tfstrat_jit:
+        jit = bool(tfstrat and not self.run_eagerly and self.jit_compile)
+        self._tfstrat_jit = jit and not _has_ps_tables(self)
+        if not jit:
             return keras_make_function(self, step_function)
         self._jit_compile = False  # read once, as the function is made
         try:
@@ -41,10 +65,23 @@ def install() -> None:
         finally:
             self._jit_compile = True
 
+    def make_predict_function(self, force=False):
+        # Keras compiles predict's per-replica step itself (each replica apart): only a
+        # model whose lookups call the ps must be built without XLA.
+        if not (self.jit_compile and not self.run_eagerly and _has_ps_tables(self)):
+            return keras_make_predict_function(self, force)
+        self._jit_compile = False
+        try:
+            return keras_make_predict_function(self, force)
+        finally:
+            self._jit_compile = True
+
+    why = "jit_compile=True compiles each replica's computation, not the exchange"
+    patches.patch(TensorFlowTrainer, "_make_function", _make_function, why)
     patches.patch(
         TensorFlowTrainer,
-        "_make_function",
-        _make_function,
-        "jit_compile=True compiles each replica's computation, not the exchange",
+        "make_predict_function",
+        make_predict_function,
+        "no XLA for a model whose lookups call the ps",
     )
     _installed = True
