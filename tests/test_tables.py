@@ -124,3 +124,26 @@ def test_weight_decay_reaches_every_row_as_keras_decays_them_each_step():
     whole = registry.read(0, 0, rows).reshape(rows, dim)
     np.testing.assert_allclose(whole, dense, rtol=1e-6, atol=1e-7)
     assert not np.allclose(whole[10:], start[10:])  # decayed without a push
+
+
+def test_a_table_in_parts_starts_as_the_whole_table_one_device_draws():
+    """Each part of a ps-held table is its rows of one draw of the whole table (Keras's
+    initializer and seed), so a table in parts starts as the same table on one device; the
+    draw is kept only until the ps's last part of that table."""
+    import json
+
+    import keras
+
+    from tfstrat.ps import tables
+
+    initializer = keras.initializers.RandomNormal(seed=5)
+    init = {"initializer": keras.initializers.serialize(initializer), "seed": 5}
+    one_device = np.asarray(initializer((9, 3), dtype="float32"))
+    parts = [
+        tables._initial(hi - lo, 3, dict(init, first=lo, total=9, last=last))
+        for lo, hi, last in ((0, 4, False), (4, 7, False), (7, 9, True))
+    ]
+    np.testing.assert_array_equal(np.concatenate(parts), one_device)
+    assert not tables._last_draw  # released after the last part
+    whole = tables._initial(9, 3, json.loads(json.dumps(dict(init, first=0, total=9))))
+    whole[0] += 1.0  # the table the ps updates in place

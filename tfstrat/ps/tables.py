@@ -270,7 +270,8 @@ def _initial(rows: int, dim: int, init: dict) -> np.ndarray:
         return np.zeros((rows, dim), np.float32)
     first, total = int(init.get("first", 0)), int(init.get("total", rows))
     spec = json.dumps({k: v for k, v in init.items() if k not in ("first", "last")})
-    part = np.array(_drawn(spec, total, dim)[first : first + rows], np.float32)
+    whole = _drawn(spec, total, dim)
+    part = whole if rows == total else np.array(whole[first : first + rows], np.float32)
     if init.get("last", True):  # this ps's last part of the table: the draw is not kept
         _last_draw.clear()
     return part
@@ -289,7 +290,7 @@ def _drawn(spec: str, rows: int, dim: int) -> np.ndarray:
         if init.get("seed") is not None and hasattr(initializer, "seed"):
             initializer.seed = init["seed"]
         _last_draw.clear()
-        _last_draw[key] = np.asarray(initializer((rows, dim), dtype="float32"), np.float32)
+        _last_draw[key] = np.array(initializer((rows, dim), dtype="float32"), np.float32)
     return _last_draw[key]
 
 
