@@ -12,6 +12,17 @@ socket each worker keeps open to each ps, handled by a thread per connection on 
 
 Every call has the strategy's timeout; a ps that stops, or does not answer in time, fails the
 call with an error naming the method, the ps task and its address.
+
+A frame that is not one of ours never costs the server more than its caps, checked before
+anything is allocated: a header of at most `MAX_HEADER` bytes that is a JSON object, at most
+`MAX_ARRAYS` arrays of numeric dtypes with non-negative shapes, at most `max_frame_bytes()`
+bytes of arrays (`TFSTRAT_WIRE_MAX_BYTES`, 1 GiB: a lookup of a million 64-wide rows is 256
+MiB; checkpoints move 3 MiB a call), and a frame begun must arrive whole within
+`read_deadline()` seconds (`TFSTRAT_WIRE_READ_DEADLINE`, 120 s), so a client that sends a byte
+a second is dropped. Such a frame is answered with an error that names the problem, then the
+connection is closed (the rest of its bytes cannot be framed); the other connections are
+served as before. A bad call in a good frame (an unknown method, wrong arrays, an id out of
+range) is answered with its error and the connection stays open.
 """
 
 from __future__ import annotations
@@ -30,7 +41,40 @@ from tfstrat.errors import TableServerError, UsageError
 
 logger = logging.getLogger(__name__)
 _LENGTH = struct.Struct("<I")
-_MAX_HEADER = 1 << 20  # a header is a few hundred bytes: more is not one of our frames
+MAX_HEADER = 1 << 20  # a header is a few hundred bytes: more is not one of our frames
+MAX_ARRAYS = 16  # a call carries at most 8
+DTYPES = frozenset(
+    np.dtype(t).str for t in ("bool", "uint8", "int32", "int64", "float32", "float64")
+)
+
+
+def max_frame_bytes() -> int:
+    """The most array bytes one frame may carry (`TFSTRAT_WIRE_MAX_BYTES`, default 1 GiB)."""
+    return _positive("TFSTRAT_WIRE_MAX_BYTES", 1 << 30, int)
+
+
+def read_deadline() -> float:
+    """Seconds a begun frame has to arrive whole (`TFSTRAT_WIRE_READ_DEADLINE`, default 120)."""
+    return _positive("TFSTRAT_WIRE_READ_DEADLINE", 120.0, float)
+
+
+def _positive(name: str, default, kind):
+    import os
+
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise UsageError(f"Received: {name}={raw!r}. Use a positive number, or unset it.")
+    return value
+
+
+class BadFrame(UsageError):
+    """A frame that is not one of tfstrat's: the server answers it, then closes the connection."""
 
 
 def _send(sock: socket.socket, header: dict, arrays) -> None:
@@ -40,10 +84,16 @@ def _send(sock: socket.socket, header: dict, arrays) -> None:
     sock.sendall(b"".join([_LENGTH.pack(len(head)), head, *(a.tobytes() for a in arrays)]))
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytearray:
+    """`n` bytes; with a `deadline` (time.monotonic()), all of them before it (TimeoutError)."""
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{got} of {n} bytes arrived before the read deadline")
+            sock.settimeout(left)
         k = sock.recv_into(view[got:])
         if k == 0:
             raise EOFError("the connection closed")
@@ -51,18 +101,51 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
-def _recv(sock: socket.socket) -> tuple[dict, list[np.ndarray]]:
-    (length,) = _LENGTH.unpack(_recv_exact(sock, _LENGTH.size))
-    if length > _MAX_HEADER:
-        raise UsageError(f"a frame header of {length} bytes: not a tfstrat table call")
-    header = json.loads(bytes(_recv_exact(sock, length)))
-    arrays = []
-    for dtype, shape in header.pop("arrays"):
+def _layout(header) -> list[tuple[np.dtype, tuple[int, ...]]]:
+    """The arrays a header announces, checked against the caps (`BadFrame` names the problem)."""
+    if not isinstance(header, dict):
+        raise BadFrame(f"a frame header must be a JSON object, not {type(header).__name__}")
+    announced = header.pop("arrays", None)
+    if not isinstance(announced, list) or len(announced) > MAX_ARRAYS:
+        raise BadFrame(f"a frame header's 'arrays' must be a list of at most {MAX_ARRAYS}")
+    layout, total = [], 0
+    for item in announced:
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[1], list)):
+            raise BadFrame(f"an array must be announced as [dtype, shape], not {item!r:.80}")
+        dtype, shape = item
+        if dtype not in DTYPES:
+            raise BadFrame(
+                f"dtype {dtype!r:.40} cannot cross the wire (use one of {sorted(DTYPES)})"
+            )
+        if len(shape) > 8 or not all(type(d) is int and d >= 0 for d in shape):
+            raise BadFrame(f"shape {shape!r:.80} is not a list of at most 8 sizes >= 0")
         dtype = np.dtype(dtype)
-        if dtype.hasobject:
-            raise UsageError(f"dtype {dtype} cannot cross the wire")
+        total += int(np.prod(shape, dtype=object)) * dtype.itemsize
+        if total > max_frame_bytes():
+            raise BadFrame(
+                f"a frame of more than {max_frame_bytes():,} bytes of arrays "
+                "(TFSTRAT_WIRE_MAX_BYTES); split the call"
+            )
+        layout.append((dtype, tuple(shape)))
+    return layout
+
+
+def _recv(sock: socket.socket, deadline_s: float | None = None) -> tuple[dict, list[np.ndarray]]:
+    """One frame. With `deadline_s`, once its first byte is in, the rest must arrive within
+    that many seconds (the server's guard against clients that trickle bytes)."""
+    first = _recv_exact(sock, 1)
+    deadline = None if deadline_s is None else time.monotonic() + deadline_s
+    (length,) = _LENGTH.unpack(bytes(first) + bytes(_recv_exact(sock, _LENGTH.size - 1, deadline)))
+    if length > MAX_HEADER:
+        raise BadFrame(f"a frame header of {length:,} bytes (at most {MAX_HEADER:,})")
+    try:
+        header = json.loads(bytes(_recv_exact(sock, length, deadline)))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadFrame(f"a frame header that is not JSON ({e})") from None
+    arrays = []
+    for dtype, shape in _layout(header):
         n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        arrays.append(np.frombuffer(_recv_exact(sock, n), dtype).reshape(shape))
+        arrays.append(np.frombuffer(_recv_exact(sock, n, deadline), dtype).reshape(shape))
     return header, arrays
 
 
@@ -96,11 +179,15 @@ class Server:
         with conn:
             while True:
                 try:
-                    header, arrays = _recv(conn)
+                    conn.settimeout(None)  # idle between calls as long as the worker likes
+                    header, arrays = _recv(conn, read_deadline())
+                except TimeoutError as e:
+                    self._drop(conn, f"a frame did not arrive whole in {read_deadline():g} s: {e}")
+                    return
                 except (EOFError, OSError):
                     return  # the worker is gone (or only checked that the port is open)
-                except (ValueError, KeyError, TypeError) as e:  # not our protocol
-                    logger.warning("%s: dropped a connection: %s", self.name, e)
+                except BadFrame as e:  # not our protocol: answered, then dropped
+                    self._drop(conn, str(e))
                     return
                 method = header.get("method", "")
                 try:
@@ -117,6 +204,20 @@ class Server:
                     _send(conn, reply, [np.asarray(a) for a in out])
                 except OSError:
                     return
+
+    def _drop(self, conn: socket.socket, why: str) -> None:
+        """Answers a frame that is not one of ours with its problem, then closes."""
+        try:
+            host, port = conn.getpeername()[:2]
+            peer = f"{host}:{port}"
+        except OSError:
+            peer = "a closed peer"
+        logger.warning("%s: dropped the connection from %s: %s", self.name, peer, why)
+        try:
+            conn.settimeout(1.0)
+            _send(conn, {"error": f"BadFrame: {why}"}, [])
+        except OSError:
+            pass
 
     def close(self):
         self.listener.close()

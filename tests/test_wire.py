@@ -1,0 +1,216 @@
+"""The ps's table server (tfstrat/ps/wire.py, tfstrat/ps/tables.py) against frames that are not
+its own: random bytes, headers that lie about their arrays, calls with wrong arrays, a client
+that trickles bytes. Thousands of generated cases (hypothesis); after each, a well-behaved
+worker's connection still gets its answers, and no case makes the server allocate past its caps.
+
+A longer run: `TFSTRAT_FUZZ_EXAMPLES=100000 pytest tests/test_wire.py -k fuzz`.
+"""
+
+import json
+import logging
+import os
+import socket
+import struct
+import time
+import tracemalloc
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tfstrat.cluster.ports import free_port
+from tfstrat.ps import tables, wire
+
+EXAMPLES = int(os.environ.get("TFSTRAT_FUZZ_EXAMPLES", "1000"))
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    database=None,  # nothing written into the repository
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+LENGTH = struct.Struct("<I")
+TABLE = 2**62
+CAP = 1 << 20  # TFSTRAT_WIRE_MAX_BYTES while fuzzing: no case may allocate much beyond it
+
+
+@pytest.fixture(scope="module")
+def server():
+    """A table server on loopback with one 50 x 4 table (number 2**62, which no generated
+    call names), and a worker's connection to it."""
+    logging.getLogger("tfstrat.ps.wire").setLevel(logging.CRITICAL)  # thousands of bad frames
+    before = os.environ.get("TFSTRAT_WIRE_MAX_BYTES")
+    os.environ["TFSTRAT_WIRE_MAX_BYTES"] = str(CAP)  # read by the server at every frame
+    tracemalloc.start()
+    port = free_port()
+    served, _ = tables.serve_tables("127.0.0.1", port, "ps:0")
+    worker = wire.Connection(f"127.0.0.1:{port}", 10, "ps:0")
+    spec = np.frombuffer(json.dumps({"zeros": True}).encode(), np.uint8)
+    worker.send("create", np.int64(TABLE), np.int64(50), np.int64(4), np.int64(1), spec)
+    worker.receive("create")
+    yield port, worker
+    worker.close()
+    served.close()
+    tracemalloc.stop()
+    if before is None:
+        del os.environ["TFSTRAT_WIRE_MAX_BYTES"]
+    else:
+        os.environ["TFSTRAT_WIRE_MAX_BYTES"] = before
+    logging.getLogger("tfstrat.ps.wire").setLevel(logging.NOTSET)
+
+
+def _still_serves(worker) -> None:
+    worker.send("lookup", np.int64(TABLE), np.array([3, 49], np.int64), np.int64(-1))
+    (rows,) = worker.receive("lookup")
+    assert rows.shape == (8,) and not rows.any()
+
+
+def _exchange(port: int, data: bytes, wait: float = 2.0):
+    """Sends `data` on a new connection, ends its sending side, returns what comes back."""
+    with socket.create_connection(("127.0.0.1", port), timeout=wait) as sock:
+        try:
+            sock.sendall(data)
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:  # the server already dropped it
+            return b""
+        got = []
+        try:
+            while chunk := sock.recv(65536):
+                got.append(chunk)
+        except OSError:
+            pass
+        return b"".join(got)
+
+
+def _frame(header, arrays=b"", length=None) -> bytes:
+    head = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return LENGTH.pack(len(head) if length is None else length) + head + arrays
+
+
+def _replies(data: bytes) -> list[dict]:
+    """The headers of the frames in `data` (the server's answers)."""
+    out = []
+    while len(data) >= LENGTH.size:
+        (n,) = LENGTH.unpack(data[: LENGTH.size])
+        header = json.loads(data[LENGTH.size : LENGTH.size + n])
+        size = sum(
+            int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
+            for dt, shape in header["arrays"]
+        )
+        out.append(header)
+        data = data[LENGTH.size + n + size :]
+    return out
+
+
+@FUZZ
+@given(data=st.binary(max_size=300))
+def test_fuzz_random_bytes(server, data):
+    port, worker = server
+    for reply in _replies(_exchange(port, data)):
+        assert "error" in reply, reply
+    _still_serves(worker)
+
+
+DTYPES = st.sampled_from(["<i8", "<f4", "|u1", "<f8", "|O", "<U4", "x", 7, "<c8"])
+SHAPES = st.lists(
+    st.one_of(st.integers(-3, 40), st.integers(2**31, 2**64), st.just("1"), st.none()), max_size=4
+)
+
+
+@FUZZ
+@given(
+    method=st.sampled_from(["lookup", "push", "read", "stats", "nope", "__init__", 3]),
+    arrays=st.one_of(
+        st.lists(st.tuples(DTYPES, SHAPES).map(list), max_size=20), st.integers(), st.text()
+    ),
+    length=st.one_of(st.none(), st.integers(0, 2**32 - 1)),
+    body=st.binary(max_size=64),
+)
+def test_fuzz_lying_headers(server, method, arrays, length, body):
+    """Headers whose arrays have bad dtypes, negative or huge shapes (lengths near 2^64),
+    wrong types, or whose length field is anything up to 2^32 - 1: an error naming the problem
+    (or the call's own answer, or nothing for a frame cut short), never an allocation past the
+    caps, and the server keeps serving."""
+    port, worker = server
+    frame = _frame({"method": method, "arrays": arrays}, body, length)
+    tracemalloc.reset_peak()
+    held = tracemalloc.get_traced_memory()[0]  # what hypothesis and the rest hold already
+    start = time.monotonic()
+    replies = _replies(_exchange(port, frame))
+    assert time.monotonic() - start < 5  # no gigabyte was waited for
+    assert tracemalloc.get_traced_memory()[1] - held < 8 * CAP  # nor allocated
+    for header in replies:
+        assert set(header) <= {"error", "arrays"}, header
+    _still_serves(worker)
+
+
+ARRAYS = st.lists(
+    st.one_of(
+        st.integers(-(2**40), 2**40).map(np.int64),
+        st.lists(st.integers(-5, 60), max_size=6).map(lambda v: np.array(v, np.int64)),
+        st.lists(st.floats(allow_nan=True, width=32), max_size=8).map(
+            lambda v: np.array(v, np.float32)
+        ),
+        st.binary(max_size=16).map(lambda b: np.frombuffer(b, np.uint8)),
+    ),
+    max_size=8,
+)
+
+
+@FUZZ
+@given(
+    method=st.sampled_from(sorted(tables.Registry.METHODS - {"create"})),
+    arrays=ARRAYS,
+)
+def test_fuzz_calls_with_wrong_arrays_keep_the_connection(server, method, arrays):
+    """Well-formed frames with the wrong arrays (arity, dtypes, shapes, ids out of range,
+    unknown tables, NaN): each gets its own answer or an error on the same connection, which
+    then still serves. (`create` is left out: a generated size could take the machine's
+    memory, which is a ps's job to hold.)"""
+    _, worker = server
+    worker.send(method, *arrays)
+    try:
+        worker.receive(method)
+    except wire.TableServerError as e:
+        assert "failed:" in str(e)
+    _still_serves(worker)
+
+
+def test_caps_and_the_read_deadline(server, monkeypatch):
+    """The caps are named in the errors; a client that trickles a frame is dropped once the
+    read deadline passes, and the others are served meanwhile."""
+    port, worker = server
+    huge = _frame({"method": "read", "arrays": [["<f4", [CAP // 4 + 1]]]})
+    (reply,) = _replies(_exchange(port, huge))
+    assert f"more than {CAP:,} bytes of arrays (TFSTRAT_WIRE_MAX_BYTES)" in reply["error"], reply
+    (reply,) = _replies(_exchange(port, _frame(b"x" * 10, length=2**32 - 1)))
+    assert "frame header of 4,294,967,295 bytes" in reply["error"], reply
+    (reply,) = _replies(_exchange(port, _frame(b"{not json")))
+    assert "not JSON" in reply["error"], reply
+    (reply,) = _replies(_exchange(port, _frame({"method": "stats", "arrays": [["|O", [1]]]})))
+    assert "cannot cross the wire" in reply["error"], reply
+
+    monkeypatch.setenv("TFSTRAT_WIRE_READ_DEADLINE", "0.5")
+    frame = _frame({"method": "stats", "arrays": []})
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as slow:
+        start = time.monotonic()
+        for byte in frame[:6]:  # one byte every 0.2 s: the frame would take 5 s
+            try:
+                slow.sendall(bytes([byte]))
+            except OSError:
+                break
+            _still_serves(worker)
+            time.sleep(0.2)
+        got = b""
+        try:
+            while chunk := slow.recv(65536):
+                got += chunk
+        except OSError:
+            pass
+        took = time.monotonic() - start
+    (reply,) = _replies(got)
+    assert "did not arrive whole in 0.5 s" in reply["error"], reply
+    assert took < 5, took
+    monkeypatch.setenv("TFSTRAT_WIRE_READ_DEADLINE", "soon")
+    with pytest.raises(ValueError, match="TFSTRAT_WIRE_READ_DEADLINE='soon'"):
+        wire.read_deadline()
