@@ -94,6 +94,9 @@ def test_a_ps_table_over_grpcs_message_limit_saves_and_loads_into_stock_keras(tm
     assert code == 0, out[-6000:]
     (line,) = [x for x in out.splitlines() if "] round trip " in x]
     assert float(line.rsplit(" ", 1)[1]) < 1e-5, line
+    # A plain keras.layers.Embedding's ps-held table, in a .keras file plain Keras loads.
+    (line,) = [x for x in out.splitlines() if "] keras file round trip " in x]
+    assert float(line.rsplit(" ", 1)[1]) < 1e-5, line
 
 
 def test_which_tables_stay_mirrored_and_why():

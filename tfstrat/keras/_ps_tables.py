@@ -17,8 +17,14 @@ its gradient has a term for every row). The worker holds no copy:
   workers, mirrored, with the values the ps held, and Hybrid's start-up line says why; met only
   in a training step (a custom `train_step`), it is an error that names the layer and the fix.
 
-`install()` patches `keras.layers.Embedding.build` and `.call` (`tfstrat._compat.patches`);
-Hybrid installs them when it has ps tasks. A layer built under any other strategy is untouched.
+The table's optimizer slots live on the ps too. A model's file holds them twice: beside the
+layer (`table_slots`, which weights-only checkpoints carry) and in the optimizer's variables,
+where the anchor's slots are written as the whole table's (so `model.save` gives a file plain
+Keras's `load_model` takes, optimizer included, and loading one writes them back to the ps).
+
+`install()` patches `keras.layers.Embedding.build` and `.call`, and the optimizers'
+`save_own_variables` and `load_own_variables` (`tfstrat._compat.patches`); Hybrid installs them
+when it has ps tasks. A layer built under any other strategy is untouched.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfstrat._compat import patches
-from tfstrat._compat.keras import KerasSaveable, in_symbolic_scope
+from tfstrat._compat.keras import BaseOptimizer, KerasSaveable, in_symbolic_scope
 from tfstrat.errors import UsageError
 
 logger = logging.getLogger(__name__)
@@ -172,10 +178,20 @@ def build(layer) -> bool:
     layer._anchor = layer.add_weight(
         shape=(), initializer="zeros", name="embeddings_anchor", trainable=True
     )
+    table.read_step = lambda: _steps_done(strategy)
     layer._embeddings = PsTable(layer, table, strategy)
+    layer._anchor._tfstrat_table = layer._embeddings  # its optimizer slots are the table's
     layer.table_slots = TableSlots(table, strategy)
     layer.built = True
     return True
+
+
+def _steps_done(strategy) -> int | None:
+    """The training steps this worker has run (its optimizer's iterations), read eagerly."""
+    optimizer = getattr(strategy, "_optimizer", None)
+    if optimizer is None or not tf.executing_eagerly():
+        return None
+    return int(optimizer.iterations.numpy())
 
 
 def lookup(layer, inputs):
@@ -263,13 +279,72 @@ def refuse_settings(layer, optimizer) -> None:
         )
 
 
+def _held_slots(optimizer) -> dict[int, tuple[PsTable, str]]:
+    """{position in optimizer.variables: (ps-held table, slot name)} of the anchors' slots."""
+    from tfstrat.keras._rowwise import _SLOT_LISTS, _slot_list
+
+    found = {}
+    for i, variable in enumerate(getattr(optimizer, "_trainable_variables", [])):
+        held = getattr(variable, "_tfstrat_table", None)
+        if held is None or not isinstance(held.layer._embeddings, PsTable):
+            continue
+        for name in _SLOT_LISTS:
+            try:
+                slot = _slot_list(optimizer, name)[i]
+            except (AttributeError, IndexError):
+                continue
+            if slot is not None:
+                found[id(slot)] = (held, name)
+    return {k: found[id(v)] for k, v in enumerate(optimizer.variables) if id(v) in found}
+
+
+def _save_optimizer(keras_save):
+    def save_own_variables(self, store):
+        held = _held_slots(self)
+        if not held:
+            return keras_save(self, store)
+        fills = {"accumulator": float(getattr(self, "initial_accumulator_value", 0.1))}
+        for i, variable in enumerate(self.variables):
+            if i in held:  # the whole table's slot, as a mirrored table's would be
+                table, name = held[i]
+                slots = table.remote.slots(fills)
+                store[str(i)] = slots.get(name, np.full(table.shape, fills.get(name, 0.0), "f4"))
+            else:
+                store[str(i)] = variable.numpy()
+
+    return save_own_variables
+
+
+def _load_optimizer(keras_load):
+    def load_own_variables(self, store):
+        held = _held_slots(self)
+        if not held or len(store.keys()) != len(self.variables):
+            return keras_load(self, store)  # (Keras warns about a count that differs)
+        for i, variable in enumerate(self.variables):
+            value = np.asarray(store[str(i)])
+            if i in held and value.shape == held[i][0].shape:
+                table, name = held[i]
+                table.remote.assign_slots({name: value})
+            else:
+                variable.assign(value)
+
+    return load_own_variables
+
+
 def install() -> None:
-    """Patches `keras.layers.Embedding.build` and `.call` (once per process)."""
+    """Patches `keras.layers.Embedding.build` and `.call`, and the optimizers' saving (once
+    per process)."""
     import keras
 
     cls = keras.layers.Embedding
     if patches.is_patched(cls, "build"):
         return
+    why = "the slots of a ps-held table are saved whole, as a mirrored table's"
+    for name, wrap in (
+        ("save_own_variables", _save_optimizer),
+        ("load_own_variables", _load_optimizer),
+    ):
+        patches.patch(BaseOptimizer, name, wrap(patches.original(BaseOptimizer, name)), why)
     keras_build = patches.original(cls, "build")
     keras_call = patches.original(cls, "call")
 

@@ -148,11 +148,21 @@ class RemoteTable:
     def _chunk_rows(self) -> int:
         return max(1, _CHUNK_BYTES // (4 * self.dim))
 
+    # The reader's step (None: no step): a read waits on the ps only for the steps before it,
+    # so a worker that saves while another has pushed its next step reads the state of its own
+    # steps (waiting for every pending push would wait for its own, which never comes).
+    read_step = None
+
     def _read_rows(self, ps, method, head, rows) -> np.ndarray:
         chunks, step = [], self._chunk_rows()
+        at = (
+            []
+            if self.read_step is None or self.read_step() is None
+            else [np.int64(self.read_step())]
+        )
         for a in range(0, rows, step):
             b = min(rows, a + step)
-            (flat,) = self.clients.call(ps, method, *head, np.int64(a), np.int64(b))
+            (flat,) = self.clients.call(ps, method, *head, np.int64(a), np.int64(b), *at)
             chunks.append(flat.reshape(b - a, self.dim))
         return np.concatenate(chunks, axis=0) if chunks else np.zeros((0, self.dim), np.float32)
 

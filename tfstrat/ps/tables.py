@@ -8,9 +8,10 @@ Tables are addressed by number (a ps starts before any model exists):
     create(table, rows, dim, workers, init)    -> 0     (idempotent; `init` is JSON bytes)
     lookup(table, ids, step)                   -> rows, flattened, once steps < step are applied
     push(table, step, ids, grads, hyper, rows, replica) -> the table's version after this push
-    read(table, lo, hi) / write(table, lo, v)  -> rows lo..hi, flattened / 0
+    read(table, lo, hi[, step]) / write(table, lo, v) -> rows lo..hi, flattened, once steps
+                                               < step are applied (no step: all) / 0
     slots(table)                               -> the numbers of its optimizer slots (SLOTS)
-    read_slot(table, slot, lo, hi)             -> rows lo..hi of a slot, flattened
+    read_slot(table, slot, lo, hi[, step])     -> rows lo..hi of a slot, flattened
     write_slot(table, slot, lo, v)             -> 0     (creates the slot if needed)
     drop(table)                                -> 0     (once every worker dropped it: the
                                                         partition search's trial tables, a
@@ -354,10 +355,11 @@ class Registry:
             )
         return np.int64(self.get(table).push(step, ids, grads, hyper, rows, replica))
 
-    def read(self, table, lo, hi):
+    def read(self, table, lo, hi, step=None):
+        """Rows lo..hi once every step before `step` (None: every step pushed) is applied."""
         t = self.get(table)
         with t.lock:
-            t.wait_applied()
+            t.wait_applied(None if step is None else int(step))
             return np.array(t.rows_of(slice(int(lo), int(hi))), copy=True).reshape(-1)
 
     def write(self, table, lo, values):
@@ -378,13 +380,13 @@ class Registry:
         names = self.get(table).slots
         return np.array([i for i, name in enumerate(SLOTS) if name in names], np.int64)
 
-    def read_slot(self, table, slot, lo, hi):
+    def read_slot(self, table, slot, lo, hi, step=None):
         t = self.get(table)
         name = SLOTS[int(slot)]
         if name not in t.slots:
             raise UsageError(f"tfstrat table {int(table)} has no slot {name!r}")
         with t.lock:
-            t.wait_applied()
+            t.wait_applied(None if step is None else int(step))
             return t.slots[name][int(lo) : int(hi)].reshape(-1).copy()
 
     def write_slot(self, table, slot, lo, values):
