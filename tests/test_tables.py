@@ -146,4 +146,5 @@ def test_a_table_in_parts_starts_as_the_whole_table_one_device_draws():
     np.testing.assert_array_equal(np.concatenate(parts), one_device)
     assert not tables._last_draw  # released after the last part
     whole = tables._initial(9, 3, json.loads(json.dumps(dict(init, first=0, total=9))))
-    whole[0] += 1.0  # the table the ps updates in place
+    np.testing.assert_array_equal(whole, one_device)
+    assert whole.flags.writeable  # the table the ps updates in place

@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import struct
+import threading
 import time
 import tracemalloc
 
@@ -31,6 +32,7 @@ FUZZ = settings(
 )
 LENGTH = struct.Struct("<I")
 TABLE = 2**62
+CRASHES: list[str] = []  # exceptions that escaped a server thread (none may)
 CAP = 1 << 20  # TFSTRAT_WIRE_MAX_BYTES while fuzzing: no case may allocate much beyond it
 
 
@@ -42,6 +44,10 @@ def server():
     before = os.environ.get("TFSTRAT_WIRE_MAX_BYTES")
     os.environ["TFSTRAT_WIRE_MAX_BYTES"] = str(CAP)  # read by the server at every frame
     tracemalloc.start()
+    hook = threading.excepthook
+    threading.excepthook = lambda args: CRASHES.append(
+        f"{args.exc_type.__name__}: {args.exc_value}"
+    )
     port = free_port()
     served, _ = tables.serve_tables("127.0.0.1", port, "ps:0")
     worker = wire.Connection(f"127.0.0.1:{port}", 10, "ps:0")
@@ -51,6 +57,7 @@ def server():
     yield port, worker
     worker.close()
     served.close()
+    threading.excepthook = hook
     tracemalloc.stop()
     if before is None:
         del os.environ["TFSTRAT_WIRE_MAX_BYTES"]
@@ -60,6 +67,7 @@ def server():
 
 
 def _still_serves(worker) -> None:
+    assert not CRASHES, CRASHES  # every bad frame was handled, none killed its thread
     worker.send("lookup", np.int64(TABLE), np.array([3, 49], np.int64), np.int64(-1))
     (rows,) = worker.receive("lookup")
     assert rows.shape == (8,) and not rows.any()
@@ -190,16 +198,18 @@ def test_caps_and_the_read_deadline(server, monkeypatch):
     (reply,) = _replies(_exchange(port, _frame({"method": "stats", "arrays": [["|O", [1]]]})))
     assert "cannot cross the wire" in reply["error"], reply
 
-    monkeypatch.setenv("TFSTRAT_WIRE_READ_DEADLINE", "0.5")
+    monkeypatch.setenv("TFSTRAT_WIRE_READ_DEADLINE", "0.5")  # read when a server starts
+    slow_port = free_port()
+    slow_server, _ = tables.serve_tables("127.0.0.1", slow_port, "ps:1")
     frame = _frame({"method": "stats", "arrays": []})
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as slow:
+    with socket.create_connection(("127.0.0.1", slow_port), timeout=10) as slow:
         start = time.monotonic()
         for byte in frame[:6]:  # one byte every 0.2 s: the frame would take 5 s
             try:
                 slow.sendall(bytes([byte]))
             except OSError:
                 break
-            _still_serves(worker)
+            _still_serves(worker)  # the other server, and this one's other clients, go on
             time.sleep(0.2)
         got = b""
         try:
@@ -208,9 +218,20 @@ def test_caps_and_the_read_deadline(server, monkeypatch):
         except OSError:
             pass
         took = time.monotonic() - start
+    slow_server.close()
     (reply,) = _replies(got)
     assert "did not arrive whole in 0.5 s" in reply["error"], reply
     assert took < 5, took
-    monkeypatch.setenv("TFSTRAT_WIRE_READ_DEADLINE", "soon")
+    monkeypatch.setenv("TFSTRAT_WIRE_READ_DEADLINE", "soon")  # refused when a server starts
     with pytest.raises(ValueError, match="TFSTRAT_WIRE_READ_DEADLINE='soon'"):
-        wire.read_deadline()
+        tables.serve_tables("127.0.0.1", free_port(), "ps:2")
+
+
+def test_a_call_over_the_cap_is_refused_before_sending(server):
+    """A worker's own call over TFSTRAT_WIRE_MAX_BYTES fails on the worker, naming the cap,
+    and its connection stays usable (nothing was sent)."""
+    _, worker = server
+    ids = np.zeros(CAP // 8 + 1, np.int64)
+    with pytest.raises(wire.TableServerError, match="over the table server's cap"):
+        worker.send("lookup", np.int64(TABLE), ids, np.int64(-1))
+    _still_serves(worker)

@@ -61,4 +61,13 @@ if os.environ.get("TFSTRAT_TASK") == "worker:0":
     loaded = keras.models.load_model(path)  # plain Keras, outside the strategy
     assert type(loaded.get_layer("table")._embeddings).__name__ == "Variable"
     got = loaded.predict(x[:16], verbose=0)
+    # The optimizer came along: Adam's moments of the table are the ps's.
+    table = loaded.get_layer("table").embeddings
+    index = loaded.optimizer._get_variable_index(table)
+    ps_slots = plain.get_layer("table").embeddings.remote.slots({})
+    for name, slot in (
+        ("momentum", loaded.optimizer._momentums),
+        ("velocity", loaded.optimizer._velocities),
+    ):
+        assert np.array_equal(slot[index].numpy(), ps_slots[name]), name
     sys.stdout.write(f"keras file round trip {float(np.abs(got - want).max())}\n")

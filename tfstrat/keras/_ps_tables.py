@@ -110,8 +110,7 @@ def _read_whole(held: PsTable, anchor):
                 f"Layer {name!r}: its table is on the ps tasks, but this step reads all of it "
                 "and trains through that read (a tied output projection, or a custom "
                 "train_step reading layer.embeddings): a dense gradient, which a ps-held table "
-                f"cannot take. Keep it mirrored: Hybrid(sparse=['!{name}']), or build the "
-                "model (call it on a batch, or fit) before the first custom step."
+                f"cannot take. Keep it mirrored: Hybrid(sparse=['!{name}'])."
             )
 
         return tf.reshape(table, held.shape), grad
@@ -197,6 +196,12 @@ def _steps_done(strategy) -> int | None:
 def lookup(layer, inputs):
     """The rows of `inputs` from the ps tasks (the layer's `call`)."""
     strategy, table = layer._tfstrat_strategy, remote(layer)
+    if layer.lora_enabled:
+        raise UsageError(
+            f"Layer {layer.name!r}: enable_lora() on a table Hybrid holds on the ps tasks; LoRA "
+            "adds a term of every row on the worker. Keep it mirrored: "
+            f"Hybrid(sparse=['!{layer.name}'])."
+        )
     refuse_settings(layer, strategy._optimizer)  # at trace time
     decays = uses_weight_decay(strategy._optimizer, layer)
     rows = table.lookup(
@@ -254,6 +259,7 @@ def refuse_settings(layer, optimizer) -> None:
         "clipvalue": optimizer.clipvalue,
         "gradient_accumulation_steps": optimizer.gradient_accumulation_steps,
         "use_ema": optimizer.use_ema or None,
+        "loss_scale_factor": getattr(optimizer, "loss_scale_factor", None),
     }
     given = {k: v for k, v in settings.items() if v}
     if given:
@@ -304,10 +310,13 @@ def _save_optimizer(keras_save):
         if not held:
             return keras_save(self, store)
         fills = {"accumulator": float(getattr(self, "initial_accumulator_value", 0.1))}
+        read: dict[int, dict] = {}  # each table's slots, read once
         for i, variable in enumerate(self.variables):
             if i in held:  # the whole table's slot, as a mirrored table's would be
                 table, name = held[i]
-                slots = table.remote.slots(fills)
+                if id(table) not in read:
+                    read[id(table)] = table.remote.slots(fills)
+                slots = read[id(table)]
                 store[str(i)] = slots.get(name, np.full(table.shape, fills.get(name, 0.0), "f4"))
             else:
                 store[str(i)] = variable.numpy()

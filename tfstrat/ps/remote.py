@@ -135,9 +135,10 @@ class RemoteTable:
             spec = np.frombuffer(json.dumps(part).encode(), np.uint8)
             clients.call(ps, "create", *np.array([number, hi - lo, dim, workers], np.int64), spec)
 
-    def drop(self) -> None:
+    def drop(self, droppers: int = 1) -> None:
+        """Drops the table on the ps once `droppers` calls (one per worker process) came."""
         for ps, number, _, _ in self.parts:
-            self.clients.call(ps, "drop", np.int64(number))
+            self.clients.call(ps, "drop", np.int64(number), np.int64(droppers))
 
     @property
     def devices(self) -> list[str]:

@@ -13,7 +13,7 @@ Tables are addressed by number (a ps starts before any model exists):
     slots(table)                               -> the numbers of its optimizer slots (SLOTS)
     read_slot(table, slot, lo, hi[, step])     -> rows lo..hi of a slot, flattened
     write_slot(table, slot, lo, v)             -> 0     (creates the slot if needed)
-    drop(table)                                -> 0     (once every worker dropped it: the
+    drop(table, droppers)                      -> 0     (once `droppers` calls came: the
                                                         partition search's trial tables, a
                                                         table that went back to the workers)
     put_meta(key, value) / get_meta(key)       -> 0 / value, -1 if unset (the chief's choices)
@@ -263,17 +263,32 @@ def _sum_rows(pushes, dim: int):
     return unique, summed
 
 
+# A table in parts is drawn whole (then sliced) up to this size, so it starts as on one device;
+# a larger one is drawn part by part (another draw: a ps then never holds the whole table).
+WHOLE_DRAW_BYTES = 256 << 20
+
+
 def _initial(rows: int, dim: int, init: dict) -> np.ndarray:
     """The initial rows: from a Keras initializer's config and seed, computed on the ps. A part
     of a table (`init["first"]`, `init["total"]` rows in all) is its rows of the whole table's
-    draw, so a table split into parts starts as the same table on one device does."""
+    draw, so a table split into parts starts as the same table on one device does (up to
+    `WHOLE_DRAW_BYTES`; a larger table's parts are drawn each on its own)."""
     if init.get("zeros", False):
         return np.zeros((rows, dim), np.float32)
     first, total = int(init.get("first", 0)), int(init.get("total", rows))
-    spec = json.dumps({k: v for k, v in init.items() if k not in ("first", "last")})
+    if total != rows and total * dim * 4 > WHOLE_DRAW_BYTES:
+        logger.info(
+            "tfstrat server: a part of a %d x %d table drawn on its own (over %d MiB): its "
+            "initial values differ from one device's draw of the whole table",
+            total, dim, WHOLE_DRAW_BYTES >> 20,
+        )  # fmt: skip
+        if isinstance(init.get("seed"), int):  # parts of one shape must not repeat each other
+            init = dict(init, seed=init["seed"] + first)
+        first, total = 0, rows
+    spec = json.dumps({k: v for k, v in init.items() if k not in ("first", "last", "total")})
     whole = _drawn(spec, total, dim)
     part = whole if rows == total else np.array(whole[first : first + rows], np.float32)
-    if init.get("last", True):  # this ps's last part of the table: the draw is not kept
+    if init.get("last", True) or rows == total:  # this ps's last part: the draw is not kept
         _last_draw.clear()
     return part
 
@@ -322,12 +337,12 @@ class Registry:
                 logger.info("tfstrat server: table %d, %d x %d", key, int(rows), int(dim))
             return _ZERO
 
-    def drop(self, table):
+    def drop(self, table, droppers=1):
         with self.lock:
             found = self.tables.get(int(table))
             if found is not None:  # a worker may still read it until every one dropped it
                 found.drops += 1
-                if found.drops >= found.workers:
+                if found.drops >= int(droppers):
                     del self.tables[int(table)]
         return _ZERO
 

@@ -13,8 +13,8 @@ socket each worker keeps open to each ps, handled by a thread per connection on 
 Every call has the strategy's timeout; a ps that stops, or does not answer in time, fails the
 call with an error naming the method, the ps task and its address.
 
-A frame that is not one of ours never costs the server more than its caps, checked before
-anything is allocated: a header of at most `MAX_HEADER` bytes that is a JSON object, at most
+A frame that is not one of ours never costs the server more than its caps (read when it
+starts), checked before anything is allocated: a header of at most `MAX_HEADER` bytes that is a JSON object, at most
 `MAX_ARRAYS` arrays of numeric dtypes with non-negative shapes, at most `max_frame_bytes()`
 bytes of arrays (`TFSTRAT_WIRE_MAX_BYTES`, 1 GiB: a lookup of a million 64-wide rows is 256
 MiB; checkpoints move 3 MiB a call), and a frame begun must arrive whole within
@@ -77,8 +77,14 @@ class BadFrame(UsageError):
     """A frame that is not one of tfstrat's: the server answers it, then closes the connection."""
 
 
-def _send(sock: socket.socket, header: dict, arrays) -> None:
+def _send(sock: socket.socket, header: dict, arrays, cap: int | None = None) -> None:
     arrays = [np.asarray(a, order="C") for a in arrays]  # keeps 0-d arrays 0-d
+    if cap is not None and sum(a.nbytes for a in arrays) > cap:
+        raise UsageError(
+            f"a call of {sum(a.nbytes for a in arrays):,} bytes, over the table server's cap of "
+            f"{cap:,} (TFSTRAT_WIRE_MAX_BYTES, the same on the workers and the ps): raise it, "
+            "or use smaller batches"
+        )
     header["arrays"] = [[a.dtype.str, list(a.shape)] for a in arrays]
     head = json.dumps(header).encode()
     sock.sendall(b"".join([_LENGTH.pack(len(head)), head, *(a.tobytes() for a in arrays)]))
@@ -101,7 +107,7 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> b
     return buf
 
 
-def _layout(header) -> list[tuple[np.dtype, tuple[int, ...]]]:
+def _layout(header, cap: int | None) -> list[tuple[np.dtype, tuple[int, ...]]]:
     """The arrays a header announces, checked against the caps (`BadFrame` names the problem)."""
     if not isinstance(header, dict):
         raise BadFrame(f"a frame header must be a JSON object, not {type(header).__name__}")
@@ -117,35 +123,45 @@ def _layout(header) -> list[tuple[np.dtype, tuple[int, ...]]]:
             raise BadFrame(
                 f"dtype {dtype!r:.40} cannot cross the wire (use one of {sorted(DTYPES)})"
             )
-        if len(shape) > 8 or not all(type(d) is int and d >= 0 for d in shape):
-            raise BadFrame(f"shape {shape!r:.80} is not a list of at most 8 sizes >= 0")
+        if len(shape) > 8 or not all(type(d) is int and 0 <= d < 2**31 for d in shape):
+            raise BadFrame(f"shape {shape!r:.80} is not a list of at most 8 sizes in 0..2^31-1")
         dtype = np.dtype(dtype)
         total += int(np.prod(shape, dtype=object)) * dtype.itemsize
-        if total > max_frame_bytes():
+        if cap is not None and total > cap:
             raise BadFrame(
-                f"a frame of more than {max_frame_bytes():,} bytes of arrays "
-                "(TFSTRAT_WIRE_MAX_BYTES); split the call"
+                f"a frame of more than {cap:,} bytes of arrays (TFSTRAT_WIRE_MAX_BYTES); "
+                "split the call"
             )
         layout.append((dtype, tuple(shape)))
     return layout
 
 
-def _recv(sock: socket.socket, deadline_s: float | None = None) -> tuple[dict, list[np.ndarray]]:
+def _recv(
+    sock: socket.socket, deadline_s: float | None = None, cap: int | None = None
+) -> tuple[dict, list[np.ndarray]]:
     """One frame. With `deadline_s`, once its first byte is in, the rest must arrive within
-    that many seconds (the server's guard against clients that trickle bytes)."""
+    that many seconds (the server's guard against clients that trickle bytes); with `cap`, at
+    most that many bytes of arrays."""
     first = _recv_exact(sock, 1)
     deadline = None if deadline_s is None else time.monotonic() + deadline_s
     (length,) = _LENGTH.unpack(bytes(first) + bytes(_recv_exact(sock, _LENGTH.size - 1, deadline)))
     if length > MAX_HEADER:
         raise BadFrame(f"a frame header of {length:,} bytes (at most {MAX_HEADER:,})")
+    raw = bytes(_recv_exact(sock, length, deadline))
     try:
-        header = json.loads(bytes(_recv_exact(sock, length, deadline)))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise BadFrame(f"a frame header that is not JSON ({e})") from None
+        header = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # not JSON, or JSON no header of ours has
+        raise BadFrame(
+            f"a frame header that is not JSON ({type(e).__name__}: {str(e)[:100]})"
+        ) from None
     arrays = []
-    for dtype, shape in _layout(header):
+    for dtype, shape in _layout(header, cap):
         n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        arrays.append(np.frombuffer(_recv_exact(sock, n, deadline), dtype).reshape(shape))
+        data = np.frombuffer(_recv_exact(sock, n, deadline), dtype)
+        try:
+            arrays.append(data.reshape(shape))
+        except ValueError as e:  # e.g. a 0 beside sizes whose product overflows
+            raise BadFrame(f"shape {list(shape)!r:.80} cannot be made: {e}") from None
     return header, arrays
 
 
@@ -158,6 +174,8 @@ class Server:
 
     def __init__(self, listener: socket.socket, handler, name: str):
         self.listener, self.handler, self.name = listener, handler, name
+        # Read once: a bad value fails here, when the server starts, naming the variable.
+        self.cap, self.deadline = max_frame_bytes(), read_deadline()
         host, port = listener.getsockname()[:2]
         self.address = f"{host}:{port}"
         threading.Thread(target=self._accept, name=f"{name} accept", daemon=True).start()
@@ -180,9 +198,9 @@ class Server:
             while True:
                 try:
                     conn.settimeout(None)  # idle between calls as long as the worker likes
-                    header, arrays = _recv(conn, read_deadline())
+                    header, arrays = _recv(conn, self.deadline, self.cap)
                 except TimeoutError as e:
-                    self._drop(conn, f"a frame did not arrive whole in {read_deadline():g} s: {e}")
+                    self._drop(conn, f"a frame did not arrive whole in {self.deadline:g} s: {e}")
                     return
                 except (EOFError, OSError):
                     return  # the worker is gone (or only checked that the port is open)
@@ -201,6 +219,7 @@ class Server:
                     logger.exception("%s: %s failed", self.name, method)
                     out, reply = [], {"error": f"{type(e).__name__}: {e}"}
                 try:
+                    conn.settimeout(self.deadline)  # a worker that stops reading is dropped
                     _send(conn, reply, [np.asarray(a) for a in out])
                 except OSError:
                     return
@@ -238,6 +257,7 @@ class Connection:
 
     def __init__(self, address: str, timeout: float, task: str):
         self.address, self.timeout, self.task = address, timeout, task
+        self.cap = max_frame_bytes()
         self._sock: socket.socket | None = None
 
     def what(self, method: str) -> str:
@@ -272,7 +292,9 @@ class Connection:
         """The first half of a call (`receive` is the second): lets a caller ask several ps
         tasks at once."""
         try:
-            _send(self._connected(), {"method": method}, [np.asarray(a) for a in arrays])
+            _send(self._connected(), {"method": method}, [np.asarray(a) for a in arrays], self.cap)
+        except UsageError as e:  # too large: nothing was sent, the connection stays
+            raise TableServerError(f"tfstrat: {self.what(method)} refused: {e}") from None
         except BaseException as e:  # a frame half sent (even on Ctrl-C) ends the connection
             self._fail(method, e)
 

@@ -138,6 +138,9 @@ class Hybrid(CollectiveAllReduce):
         if layer.embeddings_regularizer is not None:
             name = type(layer.embeddings_regularizer).__name__
             return f"embeddings_regularizer={name} gives every row a gradient"
+        if layer.embeddings_constraint is not None:
+            name = type(layer.embeddings_constraint).__name__
+            return f"embeddings_constraint={name} applies to every row after each step"
         return None
 
     def remote_table(self, layer):
@@ -195,7 +198,7 @@ class Hybrid(CollectiveAllReduce):
         held = remote(layer)
         for key in [k for k, t in self.tables.items() if t is held]:
             del self.tables[key]
-        held.drop()
+        held.drop(self.num_workers)  # every worker process drops it; the last one frees it
         self.mirrored_why[table_path(layer)] = why
 
     def _layout(self, rows: int, parts: int, first: int):
