@@ -164,14 +164,22 @@ def rs_ranking(ctx):
         ]
         interactions = keras_rs.layers.DotInteraction()([dense, *embedded])
         hidden = keras.layers.Concatenate()([dense, interactions])
-        output = keras.layers.Dense(1)(keras.layers.Dense(8, activation="relu")(hidden))
-        model = keras.Model(inputs, output)
-        model.compile(
-            optimizer=keras.optimizers.SGD(0.1),
-            loss=keras.losses.BinaryCrossentropy(from_logits=True),
-            metrics=["binary_accuracy"],
-        )
+        model = _binary_head(inputs, hidden, keras.optimizers.SGD(0.1))
     return result(model, _fit_eval_predict(model, x, y))
+
+
+def _binary_head(inputs, hidden, optimizer):
+    """The ranking models' head (Dense 8 -> 1, logits) on `hidden`, compiled."""
+    import keras
+
+    output = keras.layers.Dense(1)(keras.layers.Dense(8, activation="relu")(hidden))
+    model = keras.Model(inputs, output)
+    model.compile(
+        optimizer=optimizer,
+        loss=keras.losses.BinaryCrossentropy(from_logits=True),
+        metrics=["binary_accuracy"],
+    )
+    return model
 
 
 def rs_distributed_embedding(ctx):
@@ -207,13 +215,7 @@ def rs_distributed_embedding(ctx):
         inputs = {k: keras.Input((3,), dtype="int32", name=k) for k in x}
         embedded = keras_rs.layers.DistributedEmbedding(configs)(inputs)
         hidden = keras.layers.Concatenate()([embedded["user"], embedded["item"]])
-        output = keras.layers.Dense(1)(keras.layers.Dense(8, activation="relu")(hidden))
-        model = keras.Model(inputs, output)
-        model.compile(
-            optimizer=keras.optimizers.Adam(0.01),
-            loss=keras.losses.BinaryCrossentropy(from_logits=True),
-            metrics=["binary_accuracy"],
-        )
+        model = _binary_head(inputs, hidden, keras.optimizers.Adam(0.01))
     return result(model, _fit_eval_predict(model, x, y))
 
 
