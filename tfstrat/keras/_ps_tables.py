@@ -135,8 +135,7 @@ class TableSlots(KerasSaveable):
         return "Operation"  # only names the attributes Keras's saving skips; we have none
 
     def save_own_variables(self, store):
-        optimizer = getattr(self._strategy, "_optimizer", None)
-        fills = {"accumulator": float(getattr(optimizer, "initial_accumulator_value", 0.1))}
+        fills = slot_fills(getattr(self._strategy, "_optimizer", None))
         for name, value in self._remote.slots(fills).items():
             store[name] = value
 
@@ -149,6 +148,17 @@ class TableSlots(KerasSaveable):
 def table_path(layer) -> str:
     """The path the layer's table variable has, or would have, in Keras (`<layer path>/embeddings`)."""
     return f"{layer.path or layer.name}/embeddings"
+
+
+def slot_fills(optimizer) -> dict[str, float]:
+    """The value a slot the ps has not made yet starts from (Adagrad's accumulator's)."""
+    return {"accumulator": float(getattr(optimizer, "initial_accumulator_value", 0.1))}
+
+
+def holds_tables(model) -> bool:
+    """Whether any layer of `model` has its table on the ps tasks."""
+    flatten = getattr(model, "_flatten_layers", None)
+    return bool(flatten) and any(remote(layer) is not None for layer in flatten())
 
 
 def remote(layer):
@@ -309,7 +319,7 @@ def _save_optimizer(keras_save):
         held = _held_slots(self)
         if not held:
             return keras_save(self, store)
-        fills = {"accumulator": float(getattr(self, "initial_accumulator_value", 0.1))}
+        fills = slot_fills(self)
         read: dict[int, dict] = {}  # each table's slots, read once
         for i, variable in enumerate(self.variables):
             if i in held:  # the whole table's slot, as a mirrored table's would be

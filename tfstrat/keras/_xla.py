@@ -26,10 +26,9 @@ _installed = False
 
 
 def _has_ps_tables(model) -> bool:
-    from tfstrat.keras._ps_tables import remote
+    from tfstrat.keras._ps_tables import holds_tables
 
-    flatten = getattr(model, "_flatten_layers", None)
-    if not flatten or not any(remote(layer) is not None for layer in flatten()):
+    if not holds_tables(model):
         return False
     if not getattr(model, "_tfstrat_no_xla_said", False):
         model._tfstrat_no_xla_said = True

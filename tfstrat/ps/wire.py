@@ -142,9 +142,13 @@ def _recv(
     """One frame. With `deadline_s`, once its first byte is in, the rest must arrive within
     that many seconds (the server's guard against clients that trickle bytes); with `cap`, at
     most that many bytes of arrays."""
-    first = _recv_exact(sock, 1)
-    deadline = None if deadline_s is None else time.monotonic() + deadline_s
-    (length,) = _LENGTH.unpack(bytes(first) + bytes(_recv_exact(sock, _LENGTH.size - 1, deadline)))
+    if deadline_s is None:  # a worker reading an answer: one read for the length
+        deadline, head = None, _recv_exact(sock, _LENGTH.size)
+    else:  # the server: the deadline starts with the frame's first byte
+        first = _recv_exact(sock, 1)
+        deadline = time.monotonic() + deadline_s
+        head = first + _recv_exact(sock, _LENGTH.size - 1, deadline)
+    (length,) = _LENGTH.unpack(bytes(head))
     if length > MAX_HEADER:
         raise BadFrame(f"a frame header of {length:,} bytes (at most {MAX_HEADER:,})")
     raw = bytes(_recv_exact(sock, length, deadline))

@@ -44,13 +44,13 @@ from tfstrat.reduce import sparse
 def can_skip(model) -> bool:
     """Whether `model`'s forward pass holds no collective of its own (a replica may skip it):
     no synchronized BatchNormalization, no ps-held table (every replica pushes each step)."""
-    from tfstrat.keras._ps_tables import remote
+    from tfstrat.keras._ps_tables import holds_tables
 
     flatten = getattr(model, "_flatten_layers", None)
-    layers = list(flatten()) if flatten else []
+    layers = flatten() if flatten else ()
     if any(getattr(layer, "synchronized", False) is True for layer in layers):
         return False
-    return not any(remote(layer) is not None for layer in layers)
+    return not holds_tables(model)
 
 
 def rows_of(args) -> tf.Tensor | None:
