@@ -36,6 +36,29 @@ def test_peer_that_never_comes_up_is_named():
     assert f"worker:1 at {peer} did not come up within {TIMEOUT} s" in out, out[-3000:]
 
 
+@pytest.mark.timeout(TIMEOUT + START_UP + 60)
+def test_a_worker_whose_ring_port_is_taken_listens_on_another_and_says_so():
+    """Ray picks each worker's TF_CONFIG port free but cannot reserve the one above it (where
+    the ring listens); another socket holding it must not fail the job at start."""
+    import socket
+
+    config = TFConfig.local(workers=2)
+    host, port = config.addresses("worker")[1].rsplit(":", 1)
+    with socket.socket() as taken:
+        taken.bind((host, int(port) + 1))
+        taken.listen(1)
+        procs = [start_task(config, "worker", i, "faults_startup.py", "60") for i in (0, 1)]
+        try:
+            outs = [p.communicate(timeout=START_UP + 60)[0] for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0 and "the cluster came up" in out, out[-3000:]
+    said = f"worker:1: its ring port {int(port) + 1} (TF_CONFIG port + 1) is in use"
+    assert said in outs[1] and said not in outs[0], outs[1][-3000:]
+
+
 def _results(out_dir, case):
     return [json.loads((out_dir / f"{case}_{i}.json").read_text()) for i in range(2)]
 

@@ -47,7 +47,10 @@ class VersionError(TfstratError, RuntimeError):
 
 
 class ListenError(TfstratError, RuntimeError):
-    """A tfstrat listener could not bind its address and port."""
+    """A tfstrat listener could not bind its address and port (`in_use`: another socket holds
+    that port)."""
+
+    in_use = False
 
 
 class ServerError(TfstratError, RuntimeError):

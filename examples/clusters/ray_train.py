@@ -9,10 +9,10 @@ node's IP and a port Ray found free there (it binds port 0). tfstrat reads that 
 is: create the strategy first thing in the loop.
 
 Port caveat: tfstrat's ring listens on each worker's port + 1 (`TFSTRAT_PORT_OFFSET`), a port
-Ray did not reserve. If another process holds it, that worker fails at start with
-"worker:1: its ring cannot listen on 10.0.0.6:38878 (Address already in use) ..."; run the
-trainer again (Ray picks new ports). With a firewall between the Ray nodes those random ports
-cannot be declared; `--declared-ports 2222` rewrites Ray's TF_CONFIG to fixed ports (see
+Ray did not reserve. If another socket holds it, that worker's ring listens on a free port
+instead (its peers learn the port at start) and logs "worker:1: its ring port 38878 (TF_CONFIG
+port + 1) is in use, so the ring listens on ... instead". With a firewall between the Ray nodes
+those random ports cannot be declared; `--declared-ports 2222` rewrites Ray's TF_CONFIG to fixed ports (see
 `declared_ports`): each worker at P, P + 2, ... of its node and its ring on the port above, so
 a rule opening P..P+2K-1/tcp (K workers per node) between the nodes is enough.
 """

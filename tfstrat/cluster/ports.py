@@ -4,7 +4,9 @@ Every task listens on two ports, both declared by its TF_CONFIG address `host:P`
   - P: TensorFlow's gRPC server (it binds all interfaces; TensorFlow has no option for that);
   - P + 1 (`TFSTRAT_PORT_OFFSET`, default 1): tfstrat's own listener, the TCP ring on a worker
     or chief, Hybrid's table server on a ps.
-So a firewall rule or a Kubernetes Service declares P and P + 1 for every task.
+So a firewall rule or a Kubernetes Service declares P and P + 1 for every task. When another
+socket holds a worker's P + 1 (Ray picks P free but cannot reserve P + 1), its ring listens on
+a free port instead and says so: its peers learn the ring's port at start.
 
 tfstrat's listener binds the task's *own* address: the local address of the route towards its
 peers (what the kernel would use as the source of a connection to them), and the ring tells
@@ -15,6 +17,7 @@ cluster the route is loopback, so nothing of tfstrat's listens beyond the machin
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import os
 import socket
@@ -99,12 +102,14 @@ def listen(host: str, port: int, task: str, what: str) -> socket.socket:
         s.listen(16)
     except OSError as e:
         s.close()
-        raise ListenError(
+        error = ListenError(
             f"{task}: its {what} cannot listen on {join(host, port)} ({e.strerror}). It uses "
             f"the task's TF_CONFIG port + {offset()}: free that port, or give the task another "
             f"TF_CONFIG port (every task needs its port and the next {offset()} free), or set "
             f"{PORT_OFFSET_ENV} on every task."
-        ) from None
+        )
+        error.in_use = e.errno == errno.EADDRINUSE
+        raise error from None
     return s
 
 

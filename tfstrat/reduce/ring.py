@@ -566,11 +566,6 @@ def listen(host: str, port: int = 0, task: str = "this worker") -> socket.socket
 
 def _tune(s: socket.socket, timeout: float) -> socket.socket:
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    import os
-
-    if os.environ.get("XBUF"):
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, int(os.environ["XBUF"]))
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, int(os.environ["XBUF"]))
     s.settimeout(timeout)
     return s
 

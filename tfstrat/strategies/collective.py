@@ -24,7 +24,7 @@ from tfstrat._compat.tf import context, cross_device_utils, distribute_lib, inpu
 from tfstrat._compat.tf import values as _values
 from tfstrat.cluster import TFConfig
 from tfstrat.cluster import ports as _ports
-from tfstrat.errors import AgreementError, UsageError
+from tfstrat.errors import AgreementError, ListenError, UsageError
 from tfstrat.keras import _fit_scope
 from tfstrat.reduce import ring
 from tfstrat.reduce.cross_device import SparseAwareAllReduce
@@ -346,8 +346,29 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
         mine = tasks[rank][1]
         neighbours = [tasks[(rank + 1) % size][1], tasks[(rank - 1) % size][1]]
         host = _ports.route_source(neighbours) or _ports.wildcard(_ports.split(mine)[0])
-        port = _ports.tfstrat_port(mine)
-        listener = ring.listen(host, port, _task_name_of(self.tf_config))
+        port, task = _ports.tfstrat_port(mine), _task_name_of(self.tf_config)
+        try:
+            listener = ring.listen(host, port, task)
+        except ListenError as e:
+            if not e.in_use:
+                raise
+            # Another socket holds P + 1 (an outgoing connection's ephemeral port, under a
+            # launcher that picked P free but could not reserve P + 1, as Ray does). The peers
+            # learn the ring's port from the all-gather below, so any free port serves.
+            listener = ring.listen(host, 0, task)
+            logger.warning(
+                "tfstrat: %s: its ring port %s (TF_CONFIG port + %d) is in use, so the ring "
+                "listens on %s instead; a firewall that opens only P and P + %d between the "
+                "tasks blocks it (free port %s on this host, or set %s).",
+                task,
+                port,
+                _ports.offset(),
+                listener.getsockname()[1],
+                _ports.offset(),
+                port,
+                _ports.PORT_OFFSET_ENV,
+            )
+            port = listener.getsockname()[1]
         # Advertise the bound address; when bound to all interfaces, the TF_CONFIG host.
         advertised = host if host not in ("0.0.0.0", "::") else _ports.split(mine)[0]
         gather = lambda: self.run(lambda: _gather_address(rank, advertised, port))  # noqa: E731
