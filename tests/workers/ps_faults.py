@@ -45,6 +45,7 @@ if scenario == "backup" and strategy.worker_index == 2:
             lambda: sync._applied_or_chief_done(step),
             sync.timeout,
             ["held worker 2: the step after", step, "was never applied"],
+            wake=(sync.signals, "applied"),
         )
         with tf.control_dependencies([wait]):  # every op of the push, its step read included
             return push(grads_and_vars, rows)

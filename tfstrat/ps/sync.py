@@ -3,18 +3,22 @@
 Every worker keeps a mailbox on the ps for each variable's gradient (dense: a tensor shaped
 like the variable; sparse: its indices and rows). A step `s` runs like this:
 
-1. Every worker reads the global step `s` before it reads any variable (`begin_step`).
+1. Every worker reads the global step `s` (`begin_step`); with backup workers, before it reads
+   any variable.
 2. It writes its gradients into its mailboxes, then its `mail_step[w] = s`. A worker that finds
    the global step already past `s` (a backup that came too late) writes nothing; its gradient
    is stale and counted as dropped.
 3. The chief waits until at least `replicas_to_aggregate` mailboxes hold step `s`, averages
    those weighted by rows (below; the ops run on the ps that holds each variable), applies the
-   optimizer once (so the
-   optimizer's iteration counter advances once per step), records which workers made it in
-   `included`, and then publishes `global_step = s + 1`.
-4. Every worker waits for `global_step > s` before its next step, so the next gradient is
-   computed from the new variables. A worker whose fresh gradient was not among those the
+   optimizer once (so the optimizer's iteration counter advances once per step), records which
+   workers made it in `included`, and then publishes `global_step = s + 1`.
+4. Every other worker waits for `global_step > s` before its next step, so the next gradient
+   is computed from the new variables. A worker whose fresh gradient was not among those the
    chief took (it arrived after the chief's count) also counts it as dropped.
+
+Without backups (every worker aggregated, the default) no step is applied without every
+running worker's push, so steps 1 and 2 skip their checks of the global step: the step read
+runs alongside the variable reads, and no push can be stale.
 
 Weighting. A worker's gradient is the mean over its own n_w rows. It writes g_w * n_w into its
 mailboxes and n_w into `rows[w]`; the chief divides the sum of the gradients it takes by the
@@ -23,13 +27,12 @@ sum of their n_w, so a step's gradient is the mean over the rows of the workers 
 workers, of the batches that made it). A step whose loss Keras did not compute (a custom
 train_step) hands in weight 1: the plain mean of the workers' gradients.
 
-Every wait polls a small variable on ps 0 and fails after `timeout` seconds with a message
-naming the step and the workers that did not deliver; nothing blocks inside the ps.
+Every wait reads small variables on ps 0, and between reads blocks on ps 0's table server until
+the state it waits on was signalled to change (`tfstrat.ps.signals`), so no task spins. It fails
+after `timeout` seconds with a message naming the step and the workers that did not deliver.
 """
 
 from __future__ import annotations
-
-import time
 
 import tensorflow as tf
 
@@ -37,49 +40,66 @@ from tfstrat.ps import variables as psvars
 from tfstrat.reduce.sparse import dedup, scale
 
 
-def _sleep(seconds: float):
-    def nap():
-        time.sleep(seconds)
-        return 0
+def poll_until(ready, deadline_s: float, message: list, wake=None):
+    """In-graph: loops until `ready()` holds; errors after `deadline_s`. Returns the last
+    `seen` value (below), or the number of reads.
 
-    return tf.py_function(nap, [], tf.int32)
-
-
-def poll_until(ready, deadline_s: float, message: list, pause: float = 0.0):
-    """In-graph: loops until `ready()` (a scalar bool op) holds; errors after `deadline_s`.
-
-    `message` is a list of strings and tensors, printed in the error on timeout. `ready`
-    reads a variable on a ps task, a round trip of a millisecond or more here, so the loop
-    needs no sleep of its own (`pause` adds one, in seconds).
+    `ready()` returns a scalar bool op, or (that op, `seen`: an int64 tensor of what it read,
+    returned to the caller). It reads variables on a ps task. `message` is a list of strings
+    and tensors, printed in the error on timeout. `wake` is (signals, key)
+    (`tfstrat.ps.signals`): between reads the loop blocks on ps 0 until `key` is signalled (or
+    a second passes) instead of reading again at once; the count is read before the first
+    read, so no signal is missed.
     """
     start = tf.timestamp()
+    signals, key = wake if wake is not None else (None, None)
+    count0 = signals.count(key) if signals else tf.constant(0, tf.int64)
 
-    def cond(done, _):
+    pair = []  # whether ready() returns (done, seen)
+
+    def read():
+        out = ready()
+        pair[:] = [isinstance(out, tuple)]
+        return out if pair[0] else (out, tf.zeros([], tf.int64))
+
+    with tf.control_dependencies([count0]):
+        done0, seen0 = read()
+
+    def cond(done, *_):
         return tf.logical_not(done)
 
-    def body(_, tries):
-        with tf.control_dependencies([_sleep(pause)] if pause else []):
-            done = ready()
+    def body(_, count, seen, tries):
+        if signals:
+            count = signals.wait(key, count)
+        with tf.control_dependencies([count]):
+            done, seen = read()
         late = tf.timestamp() - start > deadline_s
         check = tf.debugging.Assert(
             tf.logical_or(done, tf.logical_not(late)), message, summarize=64
         )
         with tf.control_dependencies([check]):
-            return tf.identity(done), tries + 1
+            return tf.identity(done), count, seen, tries + 1
 
-    done0 = ready()
-    _, tries = tf.while_loop(cond, body, [done0, tf.constant(0)], parallel_iterations=1)
-    return tries
+    _, _, seen, tries = tf.while_loop(
+        cond, body, [done0, count0, seen0, tf.constant(0)], parallel_iterations=1
+    )
+    return seen if pair[0] else tries
 
 
 class SyncReplicas:
     """The shared state of synchronous training and the in-graph steps of its protocol."""
 
-    def __init__(self, strategy, *, num_workers, worker, is_chief, replicas_to_aggregate, timeout):
+    def __init__(
+        self, strategy, *, num_workers, worker, is_chief, replicas_to_aggregate, timeout, signals
+    ):
         self.num_workers = num_workers
+        self.signals = signals  # tfstrat.ps.signals.Client: wake-ups instead of spinning
         self.worker = worker
         self.is_chief = is_chief
         self.required = replicas_to_aggregate
+        # Without backups every running worker's gradient is in every step: no push can be
+        # stale, so no step read gates the variable reads and no fresh check is needed.
+        self.backups = replicas_to_aggregate < num_workers
         self.timeout = float(timeout)
         device = psvars.ps_device(0)
         n = num_workers
@@ -108,19 +128,24 @@ class SyncReplicas:
     def mark_done(self):
         """Eager, at the end of each of this worker's fits: the others stop waiting for it."""
         self.fits.scatter_add(tf.IndexedSlices(tf.ones([1], tf.int64), [self.worker]))
+        for key in ("mailed", "applied"):  # the chief's count of running workers, the others'
+            self.signals.signal_now(key)  # "has the chief finished its fit" both moved
 
     def _applied_or_chief_done(self, s):
-        # Once the chief has finished the fit this worker is in, no step is applied: the
-        # worker's remaining gradients are dropped.
-        fits = self.fits.read_value()
-        return tf.logical_or(self.global_step.read_value() > s, fits[0] > fits[self.worker])
+        """(whether step `s` was applied or the chief finished the fit this worker is in, the
+        global step). Once the chief has finished, no step is applied: the worker's remaining
+        gradients are dropped."""
+        fits, step = self.fits.read_value(), self.global_step.read_value()
+        return tf.logical_or(step > s, fits[0] > fits[self.worker]), step
 
     # -- step boundaries -----------------------------------------------------------------
 
-    def begin_step(self):
-        """Reads the global step; called before the step reads any variable."""
+    def begin_step(self) -> list:
+        """Reads the global step; returns what the step's variable reads must wait for: the
+        read itself with backups (a variable read before it could belong to a step the chief
+        applied meanwhile), else nothing (no step is applied without this worker's push)."""
         self._step = self.global_step.read_value()
-        return self._step
+        return [self._step] if self.backups else []
 
     # -- mailboxes ----------------------------------------------------------------------
 
@@ -202,7 +227,6 @@ class SyncReplicas:
         """
         s, w = self._step, self.worker
         weight = tf.constant(1.0) if rows is None else tf.cast(rows, tf.float32)
-        fresh = tf.equal(self.global_step.read_value(), s)
 
         def deliver():
             writes = [op for g, v in grads_and_vars for op in self._write(v, scale(g, weight))]
@@ -210,13 +234,17 @@ class SyncReplicas:
             with tf.control_dependencies(writes):
                 mailed = self.mail_step.scatter_update(tf.IndexedSlices(tf.reshape(s, [1]), [w]))
             with tf.control_dependencies([mailed]):
+                signalled = self.signals.signal("mailed")
+            with tf.control_dependencies([signalled]):
                 return tf.constant(True)
 
         def drop():
             with tf.control_dependencies([self.dropped_count.assign_add(1)]):
                 return tf.constant(False)
 
-        return tf.cond(fresh, deliver, drop)
+        if not self.backups:
+            return deliver()
+        return tf.cond(tf.equal(self.global_step.read_value(), s), deliver, drop)
 
     def aggregate(self, grads_and_vars, after):
         """Step 3 (chief): waits for enough fresh mailboxes; returns their rows-weighted mean."""
@@ -242,6 +270,7 @@ class SyncReplicas:
                     self.mail_step.read_value(),
                     ". A worker that stopped early or is stuck holds the others; see its log.",
                 ],
+                wake=(self.signals, "mailed"),
             )
         with tf.control_dependencies([waited]):  # reads after the wait (not ordered otherwise)
             mask = tf.equal(self.mail_step.read_value(), s)
@@ -254,13 +283,20 @@ class SyncReplicas:
     def publish(self, applied):
         """Step 3, last (chief): the next step may begin."""
         with tf.control_dependencies(applied):
-            return self.global_step.assign(self._step + 1, read_value=False)
+            published = self.global_step.assign(self._step + 1, read_value=False)
+        with tf.control_dependencies([published]):
+            return self.signals.signal("applied")
 
     def finish(self, after):
-        """Step 4: waits until the step is applied; counts this worker's gradient if dropped."""
+        """Step 4: waits until the step is applied; counts this worker's gradient if dropped.
+        The chief applied the step itself, with its own gradient (always fresh): it waits for
+        nothing."""
         s, w = self._step, self.worker
+        if self.is_chief:
+            with tf.control_dependencies(after):
+                return self.dropped_count.read_value()
         with tf.control_dependencies(after):
-            waited = poll_until(
+            step = poll_until(
                 lambda: self._applied_or_chief_done(s),
                 self.timeout,
                 [
@@ -269,14 +305,23 @@ class SyncReplicas:
                     s,
                     ". Is the chief alive? See its log.",
                 ],
+                wake=(self.signals, "applied"),
             )
-        with tf.control_dependencies([waited]):
-            delivered_but_left_out = tf.logical_and(
-                tf.equal(self.mail_step.read_value()[w], s),
-                tf.not_equal(self.included.read_value()[w], s),
-            )
+
+        def left_out():  # delivered in time, yet not among the gradients the chief took
+            with tf.control_dependencies([step]):  # reads after the wait (not ordered otherwise)
+                missed = tf.logical_and(
+                    tf.equal(self.mail_step.read_value()[w], s),
+                    tf.not_equal(self.included.read_value()[w], s),
+                )
             return tf.cond(
-                delivered_but_left_out,
+                missed,
                 lambda: self.dropped_count.assign_add(1),
                 lambda: self.dropped_count.read_value(),
             )
+
+        if self.backups:
+            return left_out()
+        # Without backups a step applied includes every running worker's push: only a chief
+        # that finished its fit leaves one out.
+        return tf.cond(step > s, self.dropped_count.read_value, left_out)

@@ -18,6 +18,7 @@ Tables are addressed by number (a ps starts before any model exists):
                                                         table that went back to the workers)
     put_meta(key, value) / get_meta(key)       -> 0 / value, -1 if unset (the chief's choices)
     stats()                                    -> this process's peak RSS, MB
+    signal_count / signal / signal_wait        -> ParameterServer's wake-ups (`tfstrat.ps.signals`)
 
 A table collects the pushes of one step from every worker and, on the last, applies their sum
 (the workers do not wait for it: their all-reduce runs meanwhile, and the next step's lookups,
@@ -55,6 +56,7 @@ import numpy as np
 
 from tfstrat.errors import UsageError
 from tfstrat.ps import rowmath as _rowmath
+from tfstrat.ps import signals as _signals
 
 logger = logging.getLogger(__name__)
 
@@ -314,13 +316,24 @@ class Registry:
     """The tables of one ps task, by number: the methods the workers call (`wire.Server`)."""
 
     METHODS = frozenset(
-        "create drop put_meta get_meta lookup push read write slots read_slot write_slot stats".split()
+        "create drop put_meta get_meta lookup push read write slots read_slot write_slot stats "
+        "signal_count signal signal_wait".split()
     )
 
     def __init__(self):
         self.tables: dict[int, Table] = {}
         self.meta: dict[int, int] = {}
         self.lock = threading.Lock()
+        self.signals = _signals.Signals()
+
+    def signal_count(self, key):
+        return self.signals.count(key)
+
+    def signal(self, key):
+        return self.signals.signal(key)
+
+    def signal_wait(self, key, seen, ms):
+        return self.signals.wait(key, seen, ms)
 
     def get(self, table) -> Table:
         try:

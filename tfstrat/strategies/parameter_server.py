@@ -31,6 +31,7 @@ from tfstrat.cluster import TFConfig
 from tfstrat.errors import AgreementError, UsageError
 from tfstrat.keras import _fit_scope
 from tfstrat.keras._shuffle import seed_shuffles
+from tfstrat.ps import signals
 from tfstrat.ps import variables as psvars
 from tfstrat.ps.connect import Heartbeat, connect
 from tfstrat.ps.sync import SyncReplicas
@@ -247,6 +248,7 @@ class ParameterServer(distribute_lib.Strategy):
                 is_chief=tf_config.is_chief,
                 replicas_to_aggregate=required,
                 timeout=timeout,
+                signals=signals.Client(tf_config.addresses("ps")[0], timeout, device),
             )
         self._adopted: set[int] = set()
         # Models, not ids: a new model can reuse a collected one's id on one task only.
@@ -340,7 +342,7 @@ class ParameterServer(distribute_lib.Strategy):
                 state = _exact_step._step
                 state.rows, state.scaled = _compute.rows_of((a, k)), False
                 try:
-                    with tf.control_dependencies([self.sync.begin_step()]):
+                    with tf.control_dependencies(self.sync.begin_step()):
                         return inner(*a, **k)
                 finally:
                     state.rows, state.scaled = None, False
