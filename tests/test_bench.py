@@ -66,7 +66,7 @@ def test_allreduce_quick_writes_the_table(tmp_path, capsys):
     assert [r["bytes"] for r in rows] == [4, 64, 1024, 16384]
     for r in rows:
         assert r["workers"] == 2 and r["tcp_GBps"] > 0
-        for impl in ("tfstrat", "tfstrat-grpc", "stock"):
+        for impl in ("tfstrat", "tfstrat-tcp", "tfstrat-grpc", "stock"):
             assert r[f"{impl}_ms"] > 0
             assert r[f"{impl}_busbw_GBps"] == pytest.approx(r[f"{impl}_algbw_GBps"])  # 2(n-1)/n = 1
     assert (tmp_path / "allreduce.png").stat().st_size > 0

@@ -79,7 +79,8 @@ def _check_against_reference(tmp_path, workers, *args):
 def test_two_workers_equal_single_device(tmp_path):
     out = _check_against_reference(tmp_path, 2)
     assert "input sharded by data" in out
-    assert "tcp ring (dense)" in out  # the default on CPU workers with one device each
+    # The default on CPU workers with one device each; two on one machine share memory.
+    assert "tcp ring (dense; shared memory with the other worker)" in out
     for i in range(2):
         r = np.load(tmp_path / f"worker_{i}.npz")
         steps = sum(int(r[f"{name}/iterations"]) for name in ("sgdm", "adam", "dataset"))

@@ -31,6 +31,9 @@ AGREEMENT = 1e-6  # between workers
 PORT = 2222  # every host's TF port (P); tfstrat's listener is on P + 1
 TASK_TIMEOUT = 150  # a cluster run: start-up (imports) of 3 processes on 2 cores, 6 steps
 HOSTS = 3
+# The namespaces share this machine's memory, which two machines do not: the rings exchange
+# over TCP alone, as between machines (tfstrat.reduce.shared_memory).
+APART = {"TFSTRAT_RING_SHARED_MEMORY": "0"}
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +76,7 @@ def _env(cluster: dict, task_type: str, index: int) -> dict[str, str]:
         "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
         "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
+        **APART,
     }
 
 
@@ -274,7 +278,7 @@ def test_multi_node_launcher_once_per_host(net, reference, tmp_path):
                 "--model",
                 "hybrid",
             ],
-            env={"PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2"},
+            env={"PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2", **APART},
             name=f"launcher node {rank}",
             cwd=WORKERS,
         )  # fmt: skip

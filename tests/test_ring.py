@@ -12,7 +12,15 @@ import pytest
 
 from tfstrat.cluster import ports as _ports
 from tfstrat.errors import RingError
-from tfstrat.reduce import ring
+from tfstrat.reduce import ring, shared_memory
+
+
+@pytest.fixture(autouse=True, params=["shared memory", "tcp"])
+def transport(request, monkeypatch):
+    """Every test runs on both ways two workers of one machine can exchange: through shared
+    memory (the default) and over TCP alone (as two machines do)."""
+    monkeypatch.setenv(shared_memory.ENV, "1" if request.param == "shared memory" else "0")
+    return request.param
 
 
 def _rings(n, timeout=10.0, host="127.0.0.1"):
@@ -24,6 +32,8 @@ def _rings(n, timeout=10.0, host="127.0.0.1"):
     assert not any(errors), errors
     for r in rings:
         r.set_timeout(timeout)
+        shared = n == 2 and shared_memory.enabled()
+        assert r.transport == ("shared memory" if shared else "tcp"), (n, r.transport)
     return rings, errors
 
 
@@ -181,3 +191,32 @@ def test_a_result_still_referenced_is_never_overwritten_by_the_next_call():
     assert {a.ctypes.data for a in thirds} <= freed
     for r in rings:
         r.close()
+
+
+def test_a_message_larger_than_the_shared_slot_grows_it_and_smaller_ones_follow():
+    rings, _ = _rings(2)
+    for size in (10, 1 << 15, 1 << 20, 7, 3 << 20, 100):  # slots start at 64 KiB
+        xs = [np.full(size, i + 1, np.float32) for i in range(2)]
+        gathers = [np.full((i + 2, 3), i, np.int64) for i in range(2)]
+        outs, errors = _on_threads(lambda i, xs=xs: rings[i].exchange(xs[i], [gathers[i]]), 2)
+        assert not any(errors), errors
+        for summed, (rows,) in outs:
+            np.testing.assert_array_equal(summed, np.full(size, 3, np.float32))
+            np.testing.assert_array_equal(rows, np.concatenate(gathers))
+    for r in rings:
+        r.close()
+
+
+def test_an_offer_this_process_cannot_open_or_whose_token_differs_is_declined():
+    region = shared_memory.Region()
+    try:
+        pid, fd, token = shared_memory.OFFER.unpack(region.offer())
+        peer = shared_memory.open_peer(region.offer())  # /proc/PID/fd/FD opens here
+        assert peer is not None and peer.token() == token
+        peer.close()
+        wrong = shared_memory.OFFER.pack(pid, fd, bytes(16))
+        assert shared_memory.open_peer(wrong) is None  # e.g. that PID on another machine
+        assert shared_memory.open_peer(shared_memory.OFFER.pack(pid, 9999, token)) is None
+        assert shared_memory.open_peer(shared_memory.OFFER.pack(0, 0, bytes(16))) is None
+    finally:
+        region.close()

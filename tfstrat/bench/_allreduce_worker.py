@@ -3,7 +3,8 @@
     python -m tfstrat.bench._allreduce_worker '{"impl": "tfstrat", "sizes": [4, 1024], "iters": 10}'
 
 `impl`: "tfstrat" (CollectiveAllReduce's replica-context all-reduce, the path gradients take:
-its TCP ring on CPU workers), "tfstrat-grpc" (the same over TensorFlow's collectives,
+its own ring on CPU workers; shared memory between two workers on one machine), "tfstrat-tcp"
+(the same with TFSTRAT_RING_SHARED_MEMORY=0: TCP alone, as between two machines), "tfstrat-grpc" (the same over TensorFlow's collectives,
 `communication="ring"`) or "stock" (tf.distribute.MultiWorkerMirroredStrategy). One thread in
 each TensorFlow pool, as in the training benchmarks. Prints `RESULT {json}`.
 """
@@ -26,7 +27,7 @@ def main(config: dict) -> dict:
     if config["impl"].startswith("tfstrat"):
         import tfstrat
 
-        communication = "ring" if config["impl"] == "tfstrat-grpc" else "auto"
+        communication = "ring" if config["impl"] == "tfstrat-grpc" else "auto"  # -tcp: env
         strategy = tfstrat.CollectiveAllReduce(timeout=120, communication=communication)
     else:
         options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=120)
@@ -46,7 +47,8 @@ def main(config: dict) -> dict:
             value = tf.ones([max(1, size // 4)], tf.float32)
 
         def replica_fn(v=value):
-            return tf.distribute.get_replica_context().all_reduce("SUM", tf.identity(v))
+            summed = tf.distribute.get_replica_context().all_reduce("SUM", tf.identity(v))
+            return summed[-1]  # waits for the whole sum without copying it out of TensorFlow
 
         step = tf.function(lambda fn=replica_fn: strategy.run(fn))
 
@@ -56,8 +58,10 @@ def main(config: dict) -> dict:
         for _ in range(int(config["iters"])):
             start = time.perf_counter()
             out = step()
-            strategy.experimental_local_results(out)[0].numpy()  # wait for the result
+            last = strategy.experimental_local_results(out)[0].numpy()
             seconds.append(time.perf_counter() - start)
+        if last != strategy.num_replicas_in_sync:  # a sum of ones: one per replica
+            raise SystemExit(f"{config['impl']}: the sum of {size} bytes of ones ended in {last}")
         results.append({"bytes": size, "seconds": statistics.median(seconds)})
     return {
         "impl": config["impl"],

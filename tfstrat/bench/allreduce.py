@@ -5,8 +5,10 @@ carries in a ring. The machine's own limits are measured in the same run:
 - the latency floor: a traced step whose only op is a no-op `numpy_function` (what any
   Python-side collective pays to be called from TensorFlow), plus a 4-byte ping-pong between
   two Python processes over loopback TCP (the least an exchange between two workers waits);
-- the bandwidth limit: two loopback TCP streams at once, one each way, between two processes
-  (what an all-reduce between two workers moves), and one stream alone.
+- the bandwidth limits: two loopback TCP streams at once, one each way, between two processes
+  (what an all-reduce between two workers on two machines moves), and one stream alone; and
+  for two workers on one machine, which exchange through shared memory, the memory copy: two
+  processes each copying the size into shared memory at once.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 from collections.abc import Sequence
 
 from tfstrat.bench import _report
+from tfstrat.reduce import shared_memory
 
 logger = logging.getLogger(__name__)
 WORKER = "tfstrat.bench._allreduce_worker"
@@ -58,9 +61,15 @@ def drain():
     view, got = memoryview(buf), 0
     while got < size:
         got += c.recv_into(view[got:])
+if mode == "copy":
+    import mmap
+    import numpy as np
+    src, dst = np.ones(size, np.uint8), np.frombuffer(mmap.mmap(-1, size), np.uint8)
 for _ in range(rounds):
     if mode == "pingpong":
         drain(); c.sendall(data)
+    elif mode == "copy":  # on the go byte, copy, then say so
+        c.recv(1); np.copyto(dst, src); c.sendall(b"k")
     else:  # both ways at once: send while receiving
         t = threading.Thread(target=c.sendall, args=(data,)); t.start(); drain(); t.join()
 """
@@ -118,6 +127,24 @@ def two_streams_rate(size: int, rounds: int = 10) -> float:
     return size / statistics.median(_with_peer("both", size, rounds, body))
 
 
+def memory_copy_rate(size: int, rounds: int = 20) -> float:
+    """Bytes/s of copying `size` bytes into shared memory while another process does the same
+    (median round: both copies and a one-byte round trip)."""
+    import mmap
+
+    import numpy as np
+
+    src, dst = np.ones(size, np.uint8), np.frombuffer(mmap.mmap(-1, size), np.uint8)
+    done = bytearray(1)
+
+    def body(conn, size):
+        conn.sendall(b"g")
+        np.copyto(dst, src)
+        _receive(conn, memoryview(done))
+
+    return size / statistics.median(_with_peer("copy", size, rounds, body))
+
+
 def tcp_ceiling(total_bytes: int = 512 * 2**20) -> float:
     """Bytes/s of one loopback TCP stream from this process to another."""
     receiver = subprocess.Popen(
@@ -140,11 +167,15 @@ def tcp_ceiling(total_bytes: int = 512 * 2**20) -> float:
 
 def run(config: AllReduceConfig) -> list[dict]:
     machine = _report.machine()
-    impls = ["tfstrat", "tfstrat-grpc"] + (["stock"] if config.peer else [])
+    impls = ["tfstrat", "tfstrat-tcp", "tfstrat-grpc"] + (["stock"] if config.peer else [])
     measured, empty_step = {}, None
     for impl in impls:
         worker_config = {"impl": impl, "sizes": list(config.sizes), "iters": config.iters}
-        result = _report.run_row(WORKER, worker_config, workers=config.workers, threads=1)
+        # tfstrat-tcp: the ring as between two machines (no shared memory)
+        env = {shared_memory.ENV: "0"} if impl == "tfstrat-tcp" else None
+        result = _report.run_row(
+            WORKER, worker_config, workers=config.workers, threads=1, env=env
+        )
         measured[impl] = {s["bytes"]: s["seconds"] for s in result.get("sizes", [])}
         empty_step = empty_step or result.get("empty_step_s")
         logger.info("allreduce %s: %s", impl, result.get("error", "done"))
@@ -159,6 +190,7 @@ def run(config: AllReduceConfig) -> list[dict]:
             "workers": n,
             "tcp_GBps": ceiling / 1e9,
             "two_streams_GBps": two_streams_rate(size) / 1e9 if size >= 2**16 else None,
+            "memory_copy_GBps": memory_copy_rate(size) / 1e9 if size >= 2**16 else None,
             "ping_pong_ms": ping * 1e3,
             "empty_step_ms": (empty_step or 0.0) * 1e3,
             "floor_ms": floor * 1e3,
@@ -187,7 +219,7 @@ def table(rows, impls, ceiling) -> str:
     headers = ["size"]
     for impl in impls:
         headers += [f"{impl} ms", f"{impl} busbw GB/s"]
-    headers += ["floor ms", "two streams GB/s", "tfstrat / limit"]
+    headers += ["floor ms", "two streams GB/s", "memory copy GB/s", "tfstrat / limit"]
     body = []
     for r in rows:
         line = [_size(r["bytes"])]
@@ -197,12 +229,17 @@ def table(rows, impls, ceiling) -> str:
             else:
                 line += ["failed", "-"]
         line.append(f"{r['floor_ms']:.3f}")
-        two = r.get("two_streams_GBps")
+        two, copy = r.get("two_streams_GBps"), r.get("memory_copy_GBps")
         line.append(f"{two:.3g}" if two else "-")
+        line.append(f"{copy:.3g}" if copy else "-")
         if "tfstrat_ms" not in r:
             line.append("-")
-        elif two:  # bandwidth-bound: the bus rate against two streams at once
-            line.append(f"{r['tfstrat_busbw_GBps'] / two:.0%} of two streams")
+        elif two:  # bandwidth-bound: each transport against its limit
+            tcp = r.get("tfstrat-tcp_busbw_GBps")
+            line.append(
+                f"{r['tfstrat_busbw_GBps'] / copy:.0%} of a memory copy"
+                + (f"; tcp: {tcp / two:.0%} of two streams" if tcp else "")
+            )
         else:  # latency-bound: the time against the floor
             line.append(f"{r['tfstrat_ms'] / r['floor_ms']:.1f}x the floor")
         body.append(line)
@@ -214,12 +251,16 @@ def table(rows, impls, ceiling) -> str:
         + f"\n\n{n} worker processes on 127.0.0.1, one thread in each TensorFlow pool; median "
         "of the timed iterations of a traced step holding one all-reduce; algbw = busbw x n / "
         "(2(n-1)) is in the JSON. tfstrat: CollectiveAllReduce's default on CPU workers, its "
-        "TCP ring; tfstrat-grpc: `communication='ring'`, TensorFlow's collectives under "
+        "own ring (here: shared memory, the header over TCP); tfstrat-tcp: the same over TCP "
+        "alone, as between two machines; tfstrat-grpc: `communication='ring'`, TensorFlow's collectives under "
         "tfstrat's wrapper; stock: MultiWorkerMirroredStrategy. The machine's limits, measured "
         f"in the same run: floor = a traced step with one no-op numpy_function "
         f"({first.get('empty_step_ms', 0):.3f} ms) + a 4-byte ping-pong between two processes "
         f"({first.get('ping_pong_ms', 0):.3f} ms); two streams = two processes sending each "
-        "other the size at once over loopback TCP, the rate each way; one stream alone: "
+        "other the size at once over loopback TCP, the rate each way (the limit between two "
+        "machines); memory copy = two processes each copying the size into shared memory at "
+        "once (two workers on one machine exchange through shared memory: each copies its "
+        "message in, and sums from the other's); one stream alone: "
         f"{ceiling / 1e9:.2f} GB/s. Machine: {m.get('cpu')}, {m.get('cpus')} CPUs, TensorFlow "
         f"{m.get('tensorflow')}."
     )
@@ -234,6 +275,9 @@ def _plot(impls):
         two = [(r["bytes"], r["two_streams_GBps"]) for r in rows if r.get("two_streams_GBps")]
         if two:
             ax.plot(*zip(*two), color="gray", linestyle="--", label="two TCP streams (limit)")
+        copy = [(r["bytes"], r["memory_copy_GBps"]) for r in rows if r.get("memory_copy_GBps")]
+        if copy:
+            ax.plot(*zip(*copy), color="black", linestyle=":", label="memory copy (limit)")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("bytes per all-reduce")

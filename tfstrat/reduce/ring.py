@@ -9,7 +9,10 @@ One call, `Ring.exchange`, carries everything a training step sends: a dense vec
 any number of blocks of rows to gather (sparse gradients), so a step waits for its peers once.
 - **2 workers**: each sends the other its whole vector and its blocks in one message, and sums
   as the bytes arrive (x0 + x1 on one, x1 + x0 on the other: the same bits, addition being
-  commutative). The bytes are the ring's (S each way) in one round instead of two.
+  commutative). The bytes are the ring's (S each way) in one round instead of two. On one
+  machine the message goes through shared memory instead (`tfstrat.reduce.shared_memory`):
+  each copies it into its own memory file, the TCP connection carries only the header, and
+  each sums straight from the other's memory.
 - **3+ workers**: the classic ring (reduce-scatter, then all-gather: each worker sends
   2(n-1)/n of the vector); the blocks travel with the reduce-scatter's messages.
 
@@ -39,6 +42,7 @@ import numpy as np
 
 from tfstrat.cluster import ports as _ports
 from tfstrat.errors import RingError
+from tfstrat.reduce import shared_memory
 
 logger = logging.getLogger(__name__)
 
@@ -87,10 +91,38 @@ class Ring:
         self._next.sendall(_HELLO.pack(rank, self.size))
         self._prev = _accept(listener, timeout, prev, self.size, self.names[prev])
         listener.close()
+        # Two workers on one machine: their messages go through shared memory.
+        self._shared = self._share_memory(timeout) if self.size == 2 else None
         for s in (self._next, self._prev):
             s.setblocking(False)
         self._poll = select.poll()
         self._sender = _Sender(self)
+
+    def _share_memory(self, timeout: float):
+        """(this worker's region, the other's) if both workers can open each other's memory
+        (`tfstrat.reduce.shared_memory`), else None: both decide alike."""
+        region = shared_memory.Region() if shared_memory.enabled() else None
+        offer = region.offer() if region else shared_memory.OFFER.pack(0, 0, bytes(16))
+        self._next.sendall(offer)
+        their_offer = _read(self._prev, shared_memory.OFFER.size, self._prev_name, timeout)
+        peer = shared_memory.open_peer(their_offer) if region else None
+        self._next.sendall(b"\1" if peer else b"\0")
+        both = peer is not None and _read(self._prev, 1, self._prev_name, timeout) == b"\1"
+        if not both:
+            if peer is None:
+                _read(self._prev, 1, self._prev_name, timeout)
+            for r in (region, peer):
+                if r is not None:
+                    r.close()
+            return None
+        logger.info("tfstrat ring: %s shares memory with this worker", self._prev_name)
+        return region, peer
+
+    @property
+    def transport(self) -> str:
+        """How this worker's messages travel: "shared memory" (two workers on one machine)
+        or "tcp"."""
+        return "shared memory" if self._shared else "tcp"
 
     @property
     def _next_name(self) -> str:
@@ -142,6 +174,8 @@ class Ring:
 
     def close(self):
         self._sender.stop()
+        for r in self._shared or ():
+            r.close()
         for s in (self._next, self._prev):
             try:
                 s.close()
@@ -152,6 +186,8 @@ class Ring:
 
     def _pair(self, reduce, gathers):
         """Two workers: one message each way holds everything; sum as it arrives."""
+        if self._shared:
+            return self._pair_shared(reduce, gathers)
         r = self.rank
         parts, receive = [], []
         summed = None
@@ -171,6 +207,32 @@ class Ring:
         if summed is not None:
             summed = summed.reshape(reduce.shape)
         return summed, gathered
+
+    def _pair_shared(self, reduce, gathers):
+        """Two workers on one machine: each copies its message into its shared memory and
+        sends only the header; each sums straight from the other's memory (same bits on both:
+        x0 + x1 = x1 + x0)."""
+        region, peer = self._shared
+        parity = self.calls & 1
+        flat = None if reduce is None else reduce.reshape(-1)
+        parts = ([] if flat is None else [_bytes_of(flat)]) + [_bytes_of(g) for g in gathers]
+        targets = [] if flat is None else [_Summing(None, flat, None)]
+        targets += [_Rows(g, self.rank, 2) for g in gathers]
+        descriptor = region.write(parity, parts)
+        incoming = self._duplex(parts, targets, descriptor)
+        try:
+            views = peer.parts(incoming.extra(), parity, incoming.sizes())
+        except OSError as e:  # its larger memory file, gone with it
+            raise RingError(f"could not open {self._prev_name}'s shared memory ({e})") from e
+        summed = None
+        if flat is not None:
+            summed = self._results.get(flat.shape, flat.dtype)
+            targets[0].out = summed
+        for target, view in zip(targets, views):
+            target.take(view)
+        if summed is not None:
+            summed = summed.reshape(reduce.shape)
+        return summed, [t.result() for t in targets[0 if flat is None else 1 :]]
 
     def _ring(self, reduce, gathers):
         """3+ workers: reduce-scatter then all-gather around the ring; the blocks to gather
@@ -222,21 +284,26 @@ class Ring:
 
     # -- one duplex round: send `parts` to the next worker, receive into `receive` ------------
 
-    def _duplex(self, parts: list[memoryview], receive: list):
+    def _duplex(self, parts: list[memoryview], receive: list, shared: bytes | None = None):
+        """One round. With `shared` (the descriptor of this call's parts in shared memory),
+        only the header and it go over TCP; the returned `_Incoming` holds the other
+        worker's header and descriptor."""
         header = _HEADER.pack(self.calls, len(parts)) + b"".join(
             _SIZE.pack(p.nbytes) for p in parts
         )
+        self.bytes_sent += len(header) + sum(p.nbytes for p in parts)
+        if shared is not None:
+            parts = [memoryview(shared)]
         outgoing = [memoryview(header)] + [p for p in parts if p.nbytes]
-        self.bytes_sent += sum(p.nbytes for p in outgoing)
-        incoming = _Incoming(self, receive)
-        if sum(p.nbytes for p in parts) >= _THREAD_BYTES:
+        incoming = _Incoming(self, receive, len(shared) if shared is not None else None)
+        if shared is None and sum(p.nbytes for p in parts) >= _THREAD_BYTES:
             # Large: the kernel's copies of the send and of the receive run on two cores.
             self._sender.send(outgoing)
             try:
                 self._receive(incoming)
             finally:
                 self._sender.wait()
-            return
+            return incoming
         poll = self._poll
         poll.register(self._next, select.POLLOUT)
         poll.register(self._prev, select.POLLIN)
@@ -250,7 +317,7 @@ class Ring:
                     receiving = False
                     poll.unregister(self._prev)
                 if not (sending or receiving):
-                    return
+                    return incoming
                 if not poll.poll(self.timeout * 1000):
                     raise RingError(
                         f"{self._prev_name} sent nothing for {self.timeout} s"
@@ -402,9 +469,12 @@ class _Sender:
 class _Incoming:
     """The receiving side of one duplex round: the header, then each part into its target."""
 
-    def __init__(self, ring: Ring, targets: list):
+    def __init__(self, ring: Ring, targets: list, shared: int | None = None):
         self.ring, self.targets = ring, targets
-        self.header = bytearray(_HEADER.size + _SIZE.size * len(targets))
+        # With `shared`, the header ends with that many bytes describing where the parts
+        # are in shared memory, and no part follows it.
+        self.shared = shared
+        self.header = bytearray(_HEADER.size + _SIZE.size * len(targets) + (shared or 0))
         self.got = 0  # bytes of the header read
         self.part = -1  # index of the part being read (-1: the header)
         self.done = False
@@ -443,8 +513,20 @@ class _Incoming:
                 self._check_count()
             if self.got == len(self.header):
                 self._check_sizes()
-                self._next_part()
+                if self.shared is not None:
+                    self.done = True
+                else:
+                    self._next_part()
         return True
+
+    def sizes(self) -> list[int]:
+        """The part sizes the other worker's header gave."""
+        n, at = len(self.targets), _HEADER.size
+        return [_SIZE.unpack_from(self.header, at + i * _SIZE.size)[0] for i in range(n)]
+
+    def extra(self) -> bytes:
+        """What follows the sizes in the header (the shared-memory descriptor)."""
+        return bytes(self.header[_HEADER.size + _SIZE.size * len(self.targets) :])
 
     def _next_part(self):
         self.part += 1
@@ -498,15 +580,24 @@ class _Into:
     def finish(self):
         pass
 
+    def take(self, source: memoryview):
+        """The part from shared memory (its size already accepted)."""
+        self.bytes[:] = source
+
 
 class _Summing(_Into):
     """A part received into `scratch` and summed with `mine` into `out` as it arrives."""
 
-    def __init__(self, scratch: np.ndarray, mine: np.ndarray, out: np.ndarray):
-        super().__init__(scratch)
+    def __init__(self, scratch: np.ndarray | None, mine: np.ndarray, out: np.ndarray | None):
+        # No scratch (shared memory): summed from the other worker's memory by `take`.
+        super().__init__(mine if scratch is None else scratch)
         self.scratch, self.mine, self.out = scratch, mine, out
-        self.item = scratch.dtype.itemsize
+        self.item = mine.dtype.itemsize
         self.summed = 0  # elements summed so far
+
+    def take(self, source: memoryview):
+        theirs = np.frombuffer(source, self.mine.dtype)
+        np.add(self.mine, theirs, out=self.out)
 
     def received(self, n: int):
         self.got += n

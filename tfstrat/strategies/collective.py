@@ -217,7 +217,8 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
         devices: logical CPU devices per worker (split with `tfstrat.split_cpu(n)` first), or
             None for every GPU, else one CPU.
         communication: "auto", "tcp", "ring" or "nccl". "tcp": dense gradients go over
-            tfstrat's ring of TCP connections between the workers (one device per worker);
+            tfstrat's ring of TCP connections between the workers (one device per worker;
+            two workers on one machine exchange the bytes through shared memory);
             "ring"/"nccl": TensorFlow's collectives. "auto": tcp on CPU-only workers with one
             device each, NCCL on 2+ GPUs, else TensorFlow's ring.
         pack_bytes: split dense gradients into packs of about this many bytes (overlaps
@@ -324,7 +325,9 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
             self.extended._id_in_cluster,
             self.extended._num_workers,
             self.num_replicas_in_sync,
-            "tcp ring (dense), TensorFlow ring (the rest)" if tcp else implementation.name.lower(),
+            _ring_words(self.extended._cross_device_ops.ring)
+            if tcp
+            else implementation.name.lower(),
             timeout,
         )
         if tf_config is None:  # e.g. `python train.py` where `tfstrat launch` was meant
@@ -496,6 +499,12 @@ def _env_config() -> TFConfig | None:
 
 def _task_name_of(tf_config: TFConfig | None) -> str:
     return (tf_config and tf_config.task_name) or "this worker"
+
+
+def _ring_words(ring_) -> str:
+    if ring_ is not None and ring_.transport == "shared memory":
+        return "tcp ring (dense; shared memory with the other worker), TensorFlow ring (the rest)"
+    return "tcp ring (dense), TensorFlow ring (the rest)"
 
 
 def _use_tcp(communication: str, count: int | None, tf_config: TFConfig | None) -> bool:

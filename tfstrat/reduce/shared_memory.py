@@ -1,0 +1,141 @@
+"""Two workers on one machine exchange a step's bytes through shared memory, not TCP.
+
+Over loopback TCP every byte is copied twice by the kernel (into the socket, out of it) on
+the two cores the workers also compute on; through shared memory a worker copies its message
+once into its own region and the other reads it from there, summing straight from it. The
+TCP connection still carries each call's header (call number, part sizes), so the workers'
+checks of each other and the ring's timeouts stay as they are.
+
+Each worker's region is an anonymous memory file (`memfd_create`): nothing is named in
+/dev/shm, so nothing is left behind when a worker dies; the memory goes when both have
+closed it. The other worker opens it as /proc/PID/fd/FD, which Linux allows to a process of
+the same user in the same PID namespace. At start each worker offers its (PID, FD, a random
+token written in the region); the other opens it and checks the token, and shared memory is
+used only if both could (two machines, two containers or another user: plain TCP). Set
+`TFSTRAT_RING_SHARED_MEMORY=0` on either worker to use TCP.
+
+Layout: two slots, by the parity of the call number. Call k writes slot k % 2; the other
+worker reads it during its call k, which ends before it sends call k+1's header, which this
+worker receives before its call k+2 writes that slot again. A message larger than a slot
+makes a new, larger memory file (its generation goes up by one, in the header); the other
+worker keeps its mapping of the old one until it sees the new generation.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import struct
+
+ENV = "TFSTRAT_RING_SHARED_MEMORY"
+OFFER = struct.Struct("!II16s")  # pid, fd (0, 0: no offer), token
+DESCRIPTOR = struct.Struct("!IIQ")  # fd, generation, slot bytes
+_ALIGN = 64  # parts start at multiples of this (the sums run on aligned memory)
+_FIRST_SLOT = 1 << 16
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+class Region:
+    """This worker's memory file: what it writes for the other worker."""
+
+    def __init__(self, slot: int = _FIRST_SLOT):
+        self.generation = 0
+        self.fd = -1
+        self.map: mmap.mmap | None = None
+        self._make(slot)
+        self.token = secrets.token_bytes(16)
+        self.map[:16] = self.token  # read back by the other worker at start
+
+    def _make(self, slot: int) -> None:
+        fd = os.memfd_create("tfstrat-ring", os.MFD_CLOEXEC)
+        os.ftruncate(fd, 2 * slot)
+        mapped = mmap.mmap(fd, 2 * slot)
+        self.close()
+        self.fd, self.map, self.slot = fd, mapped, slot
+        self.generation += 1
+
+    def offer(self) -> bytes:
+        return OFFER.pack(os.getpid(), self.fd, self.token)
+
+    def write(self, parity: int, parts: list[memoryview]) -> bytes:
+        """Copies `parts` into slot `parity` (growing the file if needed); returns the
+        descriptor that goes in the call's header."""
+        need = sum(_aligned(p.nbytes) for p in parts)
+        if need > self.slot:
+            self._make(max(need, 2 * self.slot))
+        at = parity * self.slot
+        for p in parts:
+            self.map[at : at + p.nbytes] = p
+            at += _aligned(p.nbytes)
+        return DESCRIPTOR.pack(self.fd, self.generation, self.slot)
+
+    def close(self) -> None:
+        if self.map is not None:
+            try:
+                self.map.close()
+            except BufferError:  # a view of it still alive: freed with the last one
+                pass
+            os.close(self.fd)
+            self.map = None
+
+
+class PeerRegion:
+    """The other worker's memory file, mapped here to read its parts."""
+
+    def __init__(self, pid: int, fd: int, generation: int = 1):
+        self.pid, self.generation, self.slot = pid, 0, 0
+        self.map: mmap.mmap | None = None
+        self._open(fd, generation, None)
+
+    def _open(self, fd: int, generation: int, slot: int | None) -> None:
+        with open(f"/proc/{self.pid}/fd/{fd}", "rb") as f:
+            size = os.fstat(f.fileno()).st_size if slot is None else 2 * slot
+            mapped = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
+        self.close()
+        self.map, self.generation, self.slot = mapped, generation, size // 2
+
+    def token(self) -> bytes:
+        return bytes(self.map[:16])
+
+    def parts(self, descriptor: bytes, parity: int, sizes: list[int]) -> list[memoryview]:
+        """The other worker's parts of this call, as views of its slot `parity`."""
+        fd, generation, slot = DESCRIPTOR.unpack(descriptor)
+        if generation != self.generation:
+            self._open(fd, generation, slot)
+        view, at, out = memoryview(self.map), parity * self.slot, []
+        for n in sizes:
+            out.append(view[at : at + n])
+            at += _aligned(n)
+        return out
+
+    def close(self) -> None:
+        if self.map is not None:
+            try:
+                self.map.close()
+            except BufferError:
+                pass
+            self.map = None
+
+
+def open_peer(offer: bytes) -> PeerRegion | None:
+    """The other worker's region from its offer, or None if this process cannot open it or
+    the token differs (another machine, container or user)."""
+    pid, fd, token = OFFER.unpack(offer)
+    if not pid:
+        return None
+    try:
+        peer = PeerRegion(pid, fd)
+    except OSError:
+        return None
+    if peer.token() != token:
+        peer.close()
+        return None
+    return peer
