@@ -198,7 +198,9 @@ def test_a_message_larger_than_the_shared_slot_grows_it_and_smaller_ones_follow(
     for size in (10, 1 << 15, 1 << 20, 7, 3 << 20, 100):  # slots start at 64 KiB
         xs = [np.full(size, i + 1, np.float32) for i in range(2)]
         gathers = [np.full((i + 2, 3), i, np.int64) for i in range(2)]
-        outs, errors = _on_threads(lambda i, xs=xs: rings[i].exchange(xs[i], [gathers[i]]), 2)
+        outs, errors = _on_threads(
+            lambda i, xs=xs, gs=gathers: rings[i].exchange(xs[i], [gs[i]]), 2
+        )
         assert not any(errors), errors
         for summed, (rows,) in outs:
             np.testing.assert_array_equal(summed, np.full(size, 3, np.float32))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfstrat.cluster.ports import free_port, offset
+from tfstrat.cluster.ports import free_port
 from tfstrat.errors import UsageError
 from tfstrat.ps import signals, tables
 from tfstrat.ps.sync import poll_until
@@ -37,7 +37,7 @@ def test_a_wait_in_a_step_reads_the_state_once_per_signal_not_in_a_spin():
     port = free_port()
     server, _ = tables.serve_tables("127.0.0.1", port, "ps:0")
     try:
-        client = signals.Client(f"127.0.0.1:{port - offset()}", 30, "/CPU:0")  # its TF_CONFIG port
+        client = signals.Client(f"127.0.0.1:{port}", 30, "/CPU:0")
         state = tf.Variable(0, dtype=tf.int64)
         reads = tf.Variable(0, dtype=tf.int64)
 

@@ -173,9 +173,7 @@ def run(config: AllReduceConfig) -> list[dict]:
         worker_config = {"impl": impl, "sizes": list(config.sizes), "iters": config.iters}
         # tfstrat-tcp: the ring as between two machines (no shared memory)
         env = {shared_memory.ENV: "0"} if impl == "tfstrat-tcp" else None
-        result = _report.run_row(
-            WORKER, worker_config, workers=config.workers, threads=1, env=env
-        )
+        result = _report.run_row(WORKER, worker_config, workers=config.workers, threads=1, env=env)
         measured[impl] = {s["bytes"]: s["seconds"] for s in result.get("sizes", [])}
         empty_step = empty_step or result.get("empty_step_s")
         logger.info("allreduce %s: %s", impl, result.get("error", "done"))

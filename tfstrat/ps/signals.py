@@ -66,11 +66,11 @@ class Client:
     """A worker's side: graph ops that count, signal and wait on ps 0, over its own
     connection (the calls of one step come one at a time; the lock guards the rest)."""
 
-    def __init__(self, ps_address: str, timeout: float, device: str):
+    def __init__(self, address: str, timeout: float, device: str):
+        """`address`: ps 0's table server (`tfstrat.ps.tables.rpc_address`)."""
         from tfstrat.ps import wire
-        from tfstrat.ps.tables import rpc_address
 
-        self.connection = wire.Connection(rpc_address(ps_address), timeout, "ps:0")
+        self.connection = wire.Connection(address, timeout, "ps:0")
         self.device = device
         self.lock = threading.Lock()
 

@@ -35,6 +35,7 @@ from tfstrat.ps import signals
 from tfstrat.ps import variables as psvars
 from tfstrat.ps.connect import Heartbeat, connect
 from tfstrat.ps.sync import SyncReplicas
+from tfstrat.ps.tables import rpc_address
 from tfstrat.reduce.sparse import dedup
 from tfstrat.strategies import _compute, _exact_step, _reuse
 from tfstrat.strategies import agreement as _agreement
@@ -248,7 +249,7 @@ class ParameterServer(distribute_lib.Strategy):
                 is_chief=tf_config.is_chief,
                 replicas_to_aggregate=required,
                 timeout=timeout,
-                signals=signals.Client(tf_config.addresses("ps")[0], timeout, device),
+                signals=signals.Client(rpc_address(tf_config.addresses("ps")[0]), timeout, device),
             )
         self._adopted: set[int] = set()
         # Models, not ids: a new model can reuse a collected one's id on one task only.
