@@ -35,19 +35,12 @@ if scenario == "backup" and strategy.worker_index == 2:
     # so the test of backup workers does not depend on timing.
     import tensorflow as tf
 
-    from tfstrat.ps.sync import poll_until
-
     sync, push = strategy.sync, strategy.sync.push
 
     def held_push(grads_and_vars, rows=None):
         step = sync._step
-        wait = poll_until(
-            lambda: sync._applied_or_chief_done(step),
-            sync.timeout,
-            ["held worker 2: the step after", step, "was never applied"],
-            wake=(sync.signals, "applied"),
-        )
-        with tf.control_dependencies([wait]):  # every op of the push, its step read included
+        wait = sync.steps.wait_applied(step, lambda s, _: f"held worker 2: step {s} never applied")
+        with tf.control_dependencies([wait]):  # every op of the push, its mail included
             return push(grads_and_vars, rows)
 
     sync.push = held_push

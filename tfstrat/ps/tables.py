@@ -18,7 +18,7 @@ Tables are addressed by number (a ps starts before any model exists):
                                                         table that went back to the workers)
     put_meta(key, value) / get_meta(key)       -> 0 / value, -1 if unset (the chief's choices)
     stats()                                    -> this process's peak RSS, MB
-    signal_count / signal / signal_wait        -> ParameterServer's wake-ups (`tfstrat.ps.signals`)
+    steps_*                                    -> ParameterServer's synchronous steps (`tfstrat.ps.steps`)
 
 A table collects the pushes of one step from every worker and, on the last, applies their sum
 (the workers do not wait for it: their all-reduce runs meanwhile, and the next step's lookups,
@@ -56,7 +56,7 @@ import numpy as np
 
 from tfstrat.errors import UsageError
 from tfstrat.ps import rowmath as _rowmath
-from tfstrat.ps import signals as _signals
+from tfstrat.ps import steps as _steps
 
 logger = logging.getLogger(__name__)
 
@@ -317,23 +317,17 @@ class Registry:
 
     METHODS = frozenset(
         "create drop put_meta get_meta lookup push read write slots read_slot write_slot stats "
-        "signal_count signal signal_wait".split()
+        "steps_open steps_mail steps_wait_mailed steps_publish steps_wait_applied "
+        "steps_fit_done".split()
     )
 
     def __init__(self):
         self.tables: dict[int, Table] = {}
         self.meta: dict[int, int] = {}
         self.lock = threading.Lock()
-        self.signals = _signals.Signals()
-
-    def signal_count(self, key):
-        return self.signals.count(key)
-
-    def signal(self, key):
-        return self.signals.signal(key)
-
-    def signal_wait(self, key, seen, ms):
-        return self.signals.wait(key, seen, ms)
+        self.steps = _steps.Steps()  # ParameterServer's synchronous steps (ps 0's)
+        for name in ("open", "mail", "wait_mailed", "publish", "wait_applied", "fit_done"):
+            setattr(self, f"steps_{name}", getattr(self.steps, name))
 
     def get(self, table) -> Table:
         try:

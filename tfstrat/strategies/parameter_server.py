@@ -31,7 +31,7 @@ from tfstrat.cluster import TFConfig
 from tfstrat.errors import AgreementError, UsageError
 from tfstrat.keras import _fit_scope
 from tfstrat.keras._shuffle import seed_shuffles
-from tfstrat.ps import signals
+from tfstrat.ps import steps
 from tfstrat.ps import variables as psvars
 from tfstrat.ps.connect import Heartbeat, connect
 from tfstrat.ps.sync import SyncReplicas
@@ -66,6 +66,7 @@ class _Extended(one_device_strategy.OneDeviceExtended):
         self.placement = psvars.Placement(self.num_ps)
         self._created = 0
         self._prefix = _reuse.ps_prefix()  # a second strategy's own ps variables
+        self.group = int(self._prefix.strip("g/") or 0)  # and its own sync state on ps 0
         # Variables whose ps resource has another shape than declared: reported to every
         # task by the agreement before the first step (raising here would leave the others
         # waiting for this task until their timeout).
@@ -248,8 +249,13 @@ class ParameterServer(distribute_lib.Strategy):
                 worker=worker,
                 is_chief=tf_config.is_chief,
                 replicas_to_aggregate=required,
-                timeout=timeout,
-                signals=signals.Client(rpc_address(tf_config.addresses("ps")[0]), timeout, device),
+                steps=steps.Client(
+                    rpc_address(tf_config.addresses("ps")[0]),
+                    timeout,
+                    device,
+                    group=self.extended.group,
+                    worker=worker,
+                ),
             )
         self._adopted: set[int] = set()
         # Models, not ids: a new model can reuse a collected one's id on one task only.
@@ -485,11 +491,10 @@ class ParameterServer(distribute_lib.Strategy):
             delivered = sync.push(tf_pairs, state.rows if state.scaled else None)
             if not is_chief:
                 return sync.finish([delivered])
-            averaged, record = sync.aggregate(tf_pairs, delivered)
-            with tf.control_dependencies([record]):
-                original([g for g, _ in averaged], [v for _, v in pairs])
+            averaged = sync.aggregate(tf_pairs, delivered)
+            original([g for g, _ in averaged], [v for _, v in pairs])
             # Reads ordered after every update: publish only once the step is applied.
-            applied = [record, optimizer.iterations.value.read_value()]
+            applied = [optimizer.iterations.value.read_value()]
             applied += [v.value.is_initialized() for _, v in pairs]
             applied += [v.value.is_initialized() for v in optimizer.variables]
             return sync.finish([sync.publish(applied)])

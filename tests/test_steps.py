@@ -1,0 +1,75 @@
+"""The shared state of ParameterServer's synchronous steps on ps 0 (tfstrat/ps/steps.py): its
+rules in one process, and its waits over a real table server on loopback."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from tfstrat.cluster.ports import free_port
+from tfstrat.errors import UsageError
+from tfstrat.ps import steps, tables
+
+
+def test_a_step_takes_the_required_fresh_mails_and_names_the_left_out_and_the_stale():
+    s = steps.Steps()
+    assert s.open(0, 3, 2) == 0 and s.open(0, 3, 2) == 0  # once; the same again is fine
+    with pytest.raises(UsageError, match="with 3 worker.*asked for 4"):
+        s.open(0, 4, 2)
+    assert s.mail(0, 0, 0, 8.0) == 1
+    ready, *_ = s.wait_mailed(0, 0, 10)
+    assert ready == 0  # 1 of 2: not yet
+    assert s.mail(0, 1, 0, 6.0) == 1
+    ready, count, *mask = s.wait_mailed(0, 0, 10)
+    assert (ready, count, mask) == (1, 14.0, [1, 1, 0])
+    assert s.mail(0, 2, 0, 8.0) == 1  # in time for its mail, too late for the chief
+    assert s.publish(0, 0) == 1
+    assert list(s.wait_applied(0, 1, 0, 10)) == [1, 0]
+    assert list(s.wait_applied(0, 2, 0, 10)) == [1, 1]  # mailed, not taken: left out
+    assert s.mail(0, 2, 0, 8.0) == 0  # the global step moved on: stale
+    assert list(s.wait_applied(0, 1, 1, 10)) == [0, 0]  # step 1 not applied yet
+    # Once the chief finished its fit, a worker still in it stops waiting.
+    s.fit_done(0, 0)
+    assert list(s.wait_applied(0, 1, 1, 10)) == [1, 0]
+    with pytest.raises(UsageError, match="no synchronous training group 5.*restarted"):
+        s.mail(5, 0, 0, 1.0)
+    with pytest.raises(UsageError, match="worker 3 is not one of the group's 3"):
+        s.mail(0, 3, 1, 1.0)
+
+
+def test_a_finished_worker_is_not_waited_for():
+    s = steps.Steps()
+    s.open(1, 2, 2)
+    s.fit_done(1, 1)  # worker 1 ran out of its fit's steps first
+    s.mail(1, 0, 0, 4.0)
+    ready, count, *mask = s.wait_mailed(1, 0, 10)
+    assert (ready, count, mask) == (1, 4.0, [1, 0])
+
+
+@pytest.mark.timeout(60)
+def test_a_wait_blocks_on_the_ps_until_what_it_waits_for_happens():
+    port = free_port()
+    server, _ = tables.serve_tables("127.0.0.1", port, "ps:0")
+    try:
+        chief = steps.Client(f"127.0.0.1:{port}", 5, "/CPU:0", group=0, worker=0)
+        worker = steps.Client(f"127.0.0.1:{port}", 5, "/CPU:0", group=0, worker=1)
+        chief.call("open", 2, 2)
+        later = threading.Timer(0.3, lambda: chief.call("publish", 0))
+        later.start()
+        started = time.monotonic()
+        ready, left_out = worker.call("wait_applied", 1, 0, steps.WAIT_MS)
+        took = time.monotonic() - started
+        assert (ready, left_out) == (1, 0) and 0.2 < took < 0.9, took  # woken, not the pause
+        # A wait that never ends fails after the client's timeout, saying why.
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="step 1 was never applied"):
+            worker._until(
+                lambda ms: worker.call("wait_applied", 1, 1, ms),
+                lambda s, _: f"step {s} was never applied",
+                1,
+            )
+        assert 5 <= time.monotonic() - started < 15
+        np.testing.assert_equal(chief.call("open", 2, 2), 1)
+    finally:
+        server.close()

@@ -1,0 +1,218 @@
+"""The state of ParameterServer's synchronous steps, held by ps 0's table server.
+
+A synchronous step (`tfstrat.ps.sync`) needs a little shared state: the global step, which
+step each worker last handed gradients in for and with how many rows, which workers the chief
+took, how many fits each worker finished. It lives here, in ps 0's process, next to the table
+server that serves it (`tfstrat.ps.tables.Registry`), so every check is one call and every
+wait blocks on ps 0 until the state it waits for changes: no task reads TensorFlow variables
+in a loop, and no step graph holds a loop across devices.
+
+    open(group, workers, required)     -> the global step (creates the group's state once)
+    mail(group, worker, step, rows)    -> 1 if recorded (the global step is still `step`), 0 if
+                                          stale (a backup that came too late)
+    wait_mailed(group, step, ms)       -> [ready, count, mask...]: ready once `required`
+                                          workers (or every running one, if fewer) mailed
+                                          `step`; then `included` is recorded
+    publish(group, step)               -> the global step, now step + 1
+    wait_applied(group, worker, step, ms)
+                                       -> [ready, left out]: ready once the global step passed
+                                          `step` or the chief finished the fit this worker is
+                                          in; left out: it mailed `step` and was not taken
+    fit_done(group, worker)            -> 0 (the others stop waiting for it)
+
+A wait answers after at most `WAIT_MS` even when not ready, so the worker checks its own
+deadline between calls (`Client` raises, naming the step and the workers). A group is one
+ParameterServer strategy of the training processes (a second one in the same process gets
+its own); a ps keeps its groups while it runs, so a restarted chief continues at the global
+step the ps holds, as it finds its variables there.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+from tfstrat.errors import UsageError
+
+WAIT_MS = 1000  # the longest one wait blocks on the ps before the worker checks its deadline
+
+
+class _Group:
+    def __init__(self, workers: int, required: int):
+        self.workers, self.required = workers, required
+        self.step = 0
+        self.mailed = [-1] * workers  # the step each worker last mailed
+        self.rows = [0.0] * workers  # that mail's weight
+        self.included = [-1] * workers  # the last step the chief took each worker's mail in
+        self.fits = [0] * workers  # fits each worker finished
+
+
+class Steps:
+    """Every group's state, behind one lock and condition (`Registry` serves the methods)."""
+
+    def __init__(self):
+        self.groups: dict[int, _Group] = {}
+        self.changed = threading.Condition()
+
+    def _group(self, group) -> _Group:
+        try:
+            return self.groups[int(group)]
+        except KeyError:
+            raise UsageError(
+                f"no synchronous training group {int(group)} on this ps: was it restarted? "
+                "Restart the training tasks too."
+            ) from None
+
+    def _worker(self, g: _Group, worker) -> int:
+        w = int(worker)
+        if not 0 <= w < g.workers:
+            raise UsageError(f"worker {w} is not one of the group's {g.workers}")
+        return w
+
+    def open(self, group, workers, required):
+        with self.changed:
+            g = self.groups.setdefault(int(group), _Group(int(workers), int(required)))
+            if (g.workers, g.required) != (int(workers), int(required)):
+                raise UsageError(
+                    f"this ps runs group {int(group)} with {g.workers} worker(s), "
+                    f"{g.required} per step; a task asked for {int(workers)}, {int(required)}"
+                )
+            return np.int64(g.step)
+
+    def mail(self, group, worker, step, rows):
+        with self.changed:
+            g = self._group(group)
+            w = self._worker(g, worker)
+            if g.step != int(step):
+                return np.int64(0)
+            g.mailed[w], g.rows[w] = int(step), float(rows)
+            self.changed.notify_all()
+            return np.int64(1)
+
+    def wait_mailed(self, group, step, ms):
+        s = int(step)
+        with self.changed:
+            g = self._group(group)
+
+            def ready():
+                running = sum(f <= g.fits[0] for f in g.fits)  # finished workers mail no more
+                need = max(1, min(g.required, running))
+                return sum(m == s for m in g.mailed) >= need
+
+            if not self.changed.wait_for(ready, _seconds(ms)):
+                return np.array([0, 0, *g.mailed], np.float64)
+            mask = [m == s for m in g.mailed]
+            for w, taken in enumerate(mask):
+                if taken:
+                    g.included[w] = s
+            count = sum(r for r, taken in zip(g.rows, mask) if taken)
+            return np.array([1, count, *mask], np.float64)
+
+    def publish(self, group, step):
+        with self.changed:
+            g = self._group(group)
+            g.step = int(step) + 1
+            self.changed.notify_all()
+            return np.int64(g.step)
+
+    def wait_applied(self, group, worker, step, ms):
+        s = int(step)
+        with self.changed:
+            g = self._group(group)
+            w = self._worker(g, worker)
+            # Once the chief finished the fit this worker is in, no step is applied: the
+            # worker's remaining gradients are dropped.
+            done = lambda: g.step > s or g.fits[0] > g.fits[w]  # noqa: E731
+            if not self.changed.wait_for(done, _seconds(ms)):
+                return np.array([0, 0], np.int64)
+            left_out = g.mailed[w] == s and g.included[w] != s
+            return np.array([1, int(left_out)], np.int64)
+
+    def fit_done(self, group, worker):
+        with self.changed:
+            g = self._group(group)
+            g.fits[self._worker(g, worker)] += 1
+            self.changed.notify_all()
+            return np.int64(0)
+
+
+def _seconds(ms) -> float:
+    return min(max(int(ms), 0), WAIT_MS) / 1000
+
+
+class Client:
+    """A worker's calls, as graph ops run in its own process (`tf.numpy_function`), over its
+    own connection to ps 0's table server (a lock keeps them one at a time)."""
+
+    def __init__(self, address: str, timeout: float, device: str, group: int, worker: int):
+        """`address`: ps 0's table server (`tfstrat.ps.tables.rpc_address`)."""
+        from tfstrat.ps import wire
+
+        self.connection = wire.Connection(address, timeout, "ps:0")
+        self.timeout, self.device, self.group, self.worker = timeout, device, group, worker
+        self.lock = threading.Lock()
+
+    def call(self, method: str, *args) -> np.ndarray:
+        with self.lock:
+            self.connection.send(f"steps_{method}", np.int64(self.group), *map(np.asarray, args))
+            return self.connection.receive(method)[0]
+
+    def _op(self, fn, inputs, dtype):
+        import tensorflow as tf
+
+        with tf.device(self.device):  # runs in this worker's process
+            return tf.numpy_function(fn, list(inputs), tf.as_dtype(dtype), stateful=True)
+
+    # -- graph ops ----------------------------------------------------------------------
+
+    def begin(self, workers: int, required: int):
+        out = self._op(lambda: self.call("open", workers, required), [], "int64")
+        return _scalar(out)
+
+    def mail(self, step, rows):
+        fn = lambda s, r: self.call("mail", self.worker, s, r)  # noqa: E731
+        return _scalar(self._op(fn, [step, rows], "int64"))
+
+    def wait_mailed(self, step, why):
+        """(the workers taken as a bool vector, the sum of their rows); raises after the
+        timeout with `why(step, the step each worker last mailed)`."""
+
+        def wait(s):
+            out = self._until(lambda ms: self.call("wait_mailed", s, ms), why, s)
+            return out[1:].astype(np.float32)
+
+        out = self._op(wait, [step], "float32")
+        return out[1:] > 0, out[0]
+
+    def wait_applied(self, step, why):
+        """1 if this worker mailed `step` and the chief left it out, else 0, once the step was
+        applied (or the chief finished its fit); raises after the timeout with `why(step)`."""
+
+        def wait(s):
+            return self._until(lambda ms: self.call("wait_applied", self.worker, s, ms), why, s)[1]
+
+        return _scalar(self._op(wait, [step], "int64"))
+
+    def publish(self, step):
+        return _scalar(self._op(lambda s: self.call("publish", s), [step], "int64"))
+
+    def fit_done(self) -> None:
+        """Eager, at the end of each of this worker's fits."""
+        self.call("fit_done", self.worker)
+
+    def _until(self, call, why, step):
+        deadline = time.monotonic() + self.timeout
+        while True:
+            out = call(WAIT_MS)
+            if out[0]:
+                return out
+            if time.monotonic() > deadline:
+                raise TimeoutError(why(int(step), out[2:].astype(np.int64).tolist()))
+
+
+def _scalar(t):
+    import tensorflow as tf
+
+    return tf.reshape(t, [])
