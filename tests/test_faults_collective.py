@@ -30,7 +30,8 @@ def test_peer_that_never_comes_up_is_named():
     finally:
         proc.kill()
     took = time.monotonic() - started
-    assert proc.returncode == -9, out[-3000:]  # the watchdog's SIGKILL: TF holds the GIL
+    # A plain failure (was -9: the watchdog's SIGKILL, which reads as an out-of-memory kill).
+    assert proc.returncode == 1, out[-3000:]
     assert took < TIMEOUT + 15 + START_UP, took
     peer = config.addresses("worker")[1]
     assert f"worker:1 at {peer} did not come up within {TIMEOUT} s" in out, out[-3000:]

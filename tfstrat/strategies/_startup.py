@@ -6,7 +6,10 @@ and it holds Python's GIL while it waits: no thread of this process runs, no Pyt
 handler either (SIGTERM is ignored). So the watchdog is a tiny separate process: if start-up
 has not finished after `timeout` seconds, it prints one line naming the tasks that never
 answered (a TCP connect to each peer's TF_CONFIG address tells a task that is not listening
-from one that is) and kills this process (SIGKILL: nothing else gets through).
+from one that is) and ends this process with exit code 1, a plain failure: for the length of
+the start-up, SIGHUP's handler is libc's `_exit` itself (called with the signal's number, 1),
+which runs without Python's GIL. (A SIGKILL would also get through, but exit 137 reads as an
+out-of-memory kill to schedulers and scripts.)
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -52,7 +56,6 @@ def diagnosis(me: str, everyone: list[tuple[str, str]], timeout: float) -> str:
 def _watch(argv: list[str]) -> None:
     """The watchdog process: `python -m tfstrat.strategies._startup FD PID TIMEOUT ME PEERS`."""
     import select
-    import signal
 
     fd, pid, timeout = int(argv[0]), int(argv[1]), float(argv[2])
     me, everyone = argv[3], [tuple(p) for p in json.loads(argv[4])]
@@ -63,13 +66,33 @@ def _watch(argv: list[str]) -> None:
     if select.select([fd], [], [], 0)[0]:  # finished while we probed
         return
     print(message, file=sys.stderr, flush=True)
-    os.kill(pid, signal.SIGKILL)
+    os.kill(pid, EXIT_SIGNAL)
+
+
+EXIT_SIGNAL = signal.SIGHUP  # its number, 1, becomes the exit code (`_exit_on`)
+
+
+@contextlib.contextmanager
+def _exit_on(signum: int):
+    """While in the body, `signum` ends this process at once with exit code `signum`: its
+    handler is libc's `_exit`, which needs no GIL (a Python handler would wait for TensorFlow
+    to let go of it)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.signal.restype = ctypes.c_void_p
+    libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    before = libc.signal(signum, ctypes.cast(libc._exit, ctypes.c_void_p).value)
+    try:
+        yield
+    finally:
+        libc.signal(signum, before)
 
 
 @contextlib.contextmanager
 def watchdog(tf_config: TFConfig | None, timeout: float | None):
-    """Kills this process with a message naming the missing peers if the body (TensorFlow's
-    blocking cluster start-up) takes longer than `timeout` seconds."""
+    """Ends this process (exit code 1) with a message naming the missing peers if the body
+    (TensorFlow's blocking cluster start-up) takes longer than `timeout` seconds."""
     if tf_config is None or not peers(tf_config) or not timeout:
         yield
         return
@@ -83,7 +106,8 @@ def watchdog(tf_config: TFConfig | None, timeout: float | None):
     )
     os.close(read)
     try:
-        yield
+        with _exit_on(EXIT_SIGNAL):
+            yield
     finally:
         os.close(write)  # the watchdog sees end-of-file and exits
         proc.wait()
