@@ -1,6 +1,11 @@
 """Smoke test of the benchmarks: they run and write their files. Never a speed."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -144,3 +149,51 @@ def test_multi_worker_rows_are_read_against_the_side_by_side_limit():
     for r in rows:
         _report.against_limit(r, rows)
     assert [r["vs_limit"] for r in rows] == [None, None, 0.85, None]
+
+
+def _tasks_with(marker: str) -> list[int]:
+    """The pids of processes whose environment holds `marker` (the bench's tasks inherit it)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(300)
+def test_ctrl_c_stops_the_bench_and_its_tasks_keeping_the_rows_measured(tmp_path):
+    """Before: each SIGINT ended the current row's tasks and the benchmark went on to the next
+    row, and the rows measured were lost with it."""
+    marker = f"TFSTRAT_TEST_BENCH_MARK={tmp_path.name}"
+    args = ["--quick", "--workers", "2", "--rows", "P-1,P-1x2,C-2", "--vocab", "3000"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tfstrat", "bench", "sparse", *args, "--out", str(tmp_path)],
+        env={**os.environ, marker.split("=")[0]: marker.split("=")[1]},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    seen = []
+    for line in proc.stdout:  # until the first row is done and the second one's tasks run
+        seen.append(line)
+        if "[1/3] P-1 " in line:
+            break
+    deadline = time.monotonic() + 60
+    while len(_tasks_with(marker)) < 3 and time.monotonic() < deadline:  # bench + 2 tasks
+        time.sleep(0.2)
+    started = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    took = time.monotonic() - started
+    assert proc.returncode == 130, "".join(seen) + out
+    assert "interrupted; the rows measured before it are in" in out, out
+    assert took < 60, took  # not the next row: the bench stopped
+    assert "[2/3]" not in out and "[3/3]" not in out, out
+    rows = json.loads((tmp_path / "sparse.json").read_text())
+    assert [r["row"] for r in rows] == ["P-1"] and rows[0]["examples_per_s"] > 0
+    assert _tasks_with(marker) == [], "tasks left running"

@@ -112,6 +112,18 @@ def ps_tasks(strategy: str) -> int:
     return 1 if strategy in PS_STRATEGIES else 0
 
 
+INTERRUPTED_SIGINT, INTERRUPTED_SIGTERM = 130, 143  # the launcher's exit codes for them
+
+
+class Interrupted(Exception):
+    """Ctrl-C or SIGTERM during a row: the benchmark stops (exit `code`), keeping the rows
+    measured before it."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
+
+
 def run_row(
     module: str,
     config: dict,
@@ -150,6 +162,8 @@ def run_row(
         ),
         out,
     )
+    if code in (INTERRUPTED_SIGINT, INTERRUPTED_SIGTERM):  # the launcher stopped the tasks
+        raise Interrupted(code)
     lines = out.getvalue().splitlines()
     results = {}
     for line in lines:

@@ -116,6 +116,19 @@ def run(config: ScalingConfig) -> list[dict]:
     machine = _report.machine()
     c = _resolve(config, machine)
     rows = _rows(c, machine["cpus"])
+    try:
+        _measure(rows, c, machine)
+    except (_report.Interrupted, KeyboardInterrupt):  # Ctrl-C in a row, or between rows
+        measured = [r for r in rows if "env" not in r]  # a measured row has lost its env
+        _derive(measured)
+        _report.write(c.out, "scaling", measured, table(measured, c), _plot)
+        raise
+    _derive(rows)
+    _report.write(c.out, "scaling", rows, table(rows, c), _plot)
+    return rows
+
+
+def _measure(rows: list[dict], c: ScalingConfig, machine: dict) -> None:
     for i, row in enumerate(rows, 1):
         worker_config = {
             "strategy": row["strategy"],
@@ -144,9 +157,6 @@ def run(config: ScalingConfig) -> list[dict]:
         row.pop("env")
         speed = f"{row['examples_per_s']:,.0f} ex/s" if "examples_per_s" in row else row["error"]
         logger.info("[%d/%d] %s %s: %s", i, len(rows), row["row"], row["label"], speed)
-    _derive(rows)
-    _report.write(c.out, "scaling", rows, table(rows, c), _plot)
-    return rows
 
 
 def _derive(rows: list[dict]):

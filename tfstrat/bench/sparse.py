@@ -97,7 +97,17 @@ def run(config: SparseConfig) -> list[dict]:
         "repeats": config.repeats,
         "devices": 1,
     }
-    rows = []
+    rows: list[dict] = []
+    try:
+        _measure(plan, base, config, machine, rows)
+    except (_report.Interrupted, KeyboardInterrupt):  # Ctrl-C in a row, or between rows
+        _finish(rows, config)  # the rows measured before it
+        raise
+    _finish(rows, config)
+    return rows
+
+
+def _measure(plan, base: dict, config: SparseConfig, machine: dict, rows: list[dict]) -> None:
     for i, (vocab, row) in enumerate(plan, 1):
         row = dict(row, vocab=vocab)
         result = _report.run_row(
@@ -122,6 +132,9 @@ def run(config: SparseConfig) -> list[dict]:
             speed,
         )
         rows.append(row)
+
+
+def _finish(rows: list[dict], config: SparseConfig) -> None:
     for vocab in vocabs(config):  # ratios within one table size
         group = [r for r in rows if r["vocab"] == vocab]
         one = next((r.get("examples_per_s") for r in group if r["row"] == "P-1"), None)
@@ -132,7 +145,6 @@ def run(config: SparseConfig) -> list[dict]:
             if x and one and r["row"] != "P-all":
                 r["efficiency_P1"] = x / (r["workers"] * one)
     _report.write(config.out, "sparse", rows, table(rows, config), _plot)
-    return rows
 
 
 def table(rows, c: SparseConfig) -> str:

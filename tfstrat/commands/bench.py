@@ -8,6 +8,22 @@ from tfstrat.commands import _args
 
 
 def run(args) -> int:
+    from tfstrat.bench import _report
+
+    try:
+        return _run(args)
+    except _report.Interrupted as e:  # a row's tasks are stopped; the rows before it written
+        print(
+            f"tfstrat bench: interrupted; the rows measured before it are in {args.out}",
+            file=sys.stderr,
+        )
+        return e.code
+    except KeyboardInterrupt:  # Ctrl-C between rows
+        print("tfstrat bench: interrupted", file=sys.stderr)
+        return _report.INTERRUPTED_SIGINT
+
+
+def _run(args) -> int:
     from tfstrat.errors import UnknownRows
 
     workers = [int(w) for w in _args.csv(args.workers) if w.isdigit()]
