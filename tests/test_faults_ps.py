@@ -169,3 +169,28 @@ def test_first_difference_names_the_task_and_the_item():
     )
     smaller = describe(TFConfig.local(workers=1, ps=1), [], {})
     assert first_difference(smaller, chief, "worker:1", "chief").startswith("worker:1 has worker [")
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_sigterm_stops_parameter_server_workers_after_a_step_saves_and_exits_143(tmp_path, mode):
+    """Before, a ParameterServer worker died at once on SIGTERM (no backup) and, under sync,
+    the others waited for its gradients until their timeout."""
+    started = time.monotonic()
+    code, out = launch_script("faults_stop.py", str(tmp_path), "sigterm", f"ps-{mode}", ps=1)
+    took = time.monotonic() - started
+    assert code == 143, out[-6000:]
+    results = [json.loads((tmp_path / f"sigterm_{i}.json").read_text()) for i in range(2)]
+    assert results[1]["stop"] == "sigterm", results  # worker 1 got SIGTERM after batch 6
+    # The launcher does not blame the ps that the workers' logs name: they stopped as told.
+    assert "failed first (exit code 143)" in out, out[-6000:]
+    assert "probable cause" not in out, out[-6000:]
+    if mode == "sync":
+        # Every worker stops after the same step: the request rode worker 1's next mail, and
+        # the chief's BackupAndRestore saved that step.
+        assert results[0]["stop"] == "sigterm", results
+        assert results[0]["iterations"] == results[1]["iterations"] <= 8, results
+        assert os.listdir(tmp_path / "backup"), "BackupAndRestore saved nothing"
+    # async: worker 1 alone stopped after its next step; the launcher then stopped the rest.
+    assert "waited" not in out and "second SIGTERM: exiting now" not in out, out[-6000:]
+    assert took < 300, took

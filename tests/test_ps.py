@@ -167,7 +167,8 @@ def test_a_killed_ps_fails_every_worker_naming_it(tmp_path):
     for p, out in zip(procs[1:], outs):
         assert p.returncode != 0, out[-3000:]
         assert "training finished" not in out
-        assert "/job:ps/replica:0/task:0" in out, out[-3000:]  # the error names the ps
+        # The error names the ps: TensorFlow's name for it, or the sync step's call to it.
+        assert "/job:ps/replica:0/task:0" in out or "on ps:0 (table server at" in out, out[-3000:]
     # From the kill: at most one wait's timeout, and a busy machine's slack.
     took = ended - float(outs[0].split("worker 0 kills ps:0 now, at ")[1].split()[0])
     assert took < timeout + 30, (took, outs[0][-3000:])

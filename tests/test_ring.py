@@ -222,3 +222,41 @@ def test_an_offer_this_process_cannot_open_or_whose_token_differs_is_declined():
         assert shared_memory.open_peer(shared_memory.OFFER.pack(0, 0, bytes(16))) is None
     finally:
         region.close()
+
+
+def test_a_grown_memory_file_stays_open_until_the_other_worker_has_opened_it():
+    """Each file stays open for two calls after the call that introduced it: the other worker
+    opens it during that call, by its number, which a file closed sooner could hand on."""
+    import os
+
+    region = shared_memory.Region()
+    try:
+        small, big, bigger = (memoryview(bytes(n)) for n in (8, 1 << 17, 1 << 19))
+        region.write(1, [small])
+        first = region.fd
+        region.write(2, [big])  # grows: the file of call 0 retires
+        second = region.fd
+        region.write(3, [bigger])  # grows again, the next call
+        third = region.fd
+        # The file made in call 2 must still open (the other worker may not have yet).
+        assert second in [fd for fd, _, _ in region.retired]
+        opened = os.open(f"/proc/{os.getpid()}/fd/{second}", os.O_RDONLY)
+        assert os.fstat(opened).st_size == 2 * (1 << 17)
+        os.close(opened)
+        assert first not in [fd for fd, _, _ in region.retired]  # made in call 0: closed
+        region.write(4, [small])
+        assert region.retired == [] and region.fd == third  # call 2 + 2: closed now
+    finally:
+        region.close()
+
+
+def test_an_offer_of_something_that_is_not_a_memory_file_is_declined_without_blocking():
+    import os
+
+    read, write = os.pipe()  # e.g. the PID and FD of a process on another machine
+    try:
+        offer = shared_memory.OFFER.pack(os.getpid(), read, bytes(16))
+        assert shared_memory.open_peer(offer) is None
+    finally:
+        os.close(read)
+        os.close(write)

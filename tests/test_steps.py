@@ -11,40 +11,42 @@ from tfstrat.cluster.ports import free_port
 from tfstrat.errors import UsageError
 from tfstrat.ps import steps, tables
 
+NO_STOP = [0.0, 0.0]  # a mail's stop requests: none
+
 
 def test_a_step_takes_the_required_fresh_mails_and_names_the_left_out_and_the_stale():
     s = steps.Steps()
     assert s.open(0, 3, 2) == 0 and s.open(0, 3, 2) == 0  # once; the same again is fine
     with pytest.raises(UsageError, match="with 3 worker.*asked for 4"):
         s.open(0, 4, 2)
-    assert s.mail(0, 0, 0, 8.0) == 1
+    assert s.mail(0, 0, 0, 8.0, NO_STOP) == 1
     ready, *_ = s.wait_mailed(0, 0, 10)
     assert ready == 0  # 1 of 2: not yet
-    assert s.mail(0, 1, 0, 6.0) == 1
-    ready, count, *mask = s.wait_mailed(0, 0, 10)
-    assert (ready, count, mask) == (1, 14.0, [1, 1, 0])
-    assert s.mail(0, 2, 0, 8.0) == 1  # in time for its mail, too late for the chief
+    assert s.mail(0, 1, 0, 6.0, NO_STOP) == 1
+    ready, count, *stop_and_mask = s.wait_mailed(0, 0, 10)
+    assert (ready, count, stop_and_mask) == (1, 14.0, [0, 0, 1, 1, 0])
+    assert s.mail(0, 2, 0, 8.0, NO_STOP) == 1  # in time for its mail, too late for the chief
     assert s.publish(0, 0) == 1
-    assert list(s.wait_applied(0, 1, 0, 10)) == [1, 0]
-    assert list(s.wait_applied(0, 2, 0, 10)) == [1, 1]  # mailed, not taken: left out
-    assert s.mail(0, 2, 0, 8.0) == 0  # the global step moved on: stale
-    assert list(s.wait_applied(0, 1, 1, 10)) == [0, 0]  # step 1 not applied yet
+    assert list(s.wait_applied(0, 1, 0, 10)) == [1, 0, 0, 0]
+    assert list(s.wait_applied(0, 2, 0, 10)) == [1, 1, 0, 0]  # mailed, not taken: left out
+    assert s.mail(0, 2, 0, 8.0, NO_STOP) == 0  # the global step moved on: stale
+    assert list(s.wait_applied(0, 1, 1, 10)) == [0, 0, 0, 0]  # step 1 not applied yet
     # Once the chief finished its fit, a worker still in it stops waiting.
     s.fit_done(0, 0)
-    assert list(s.wait_applied(0, 1, 1, 10)) == [1, 0]
+    assert list(s.wait_applied(0, 1, 1, 10)) == [1, 0, 0, 0]
     with pytest.raises(UsageError, match="no synchronous training group 5.*restarted"):
-        s.mail(5, 0, 0, 1.0)
+        s.mail(5, 0, 0, 1.0, NO_STOP)
     with pytest.raises(UsageError, match="worker 3 is not one of the group's 3"):
-        s.mail(0, 3, 1, 1.0)
+        s.mail(0, 3, 1, 1.0, NO_STOP)
 
 
 def test_a_finished_worker_is_not_waited_for():
     s = steps.Steps()
     s.open(1, 2, 2)
     s.fit_done(1, 1)  # worker 1 ran out of its fit's steps first
-    s.mail(1, 0, 0, 4.0)
-    ready, count, *mask = s.wait_mailed(1, 0, 10)
-    assert (ready, count, mask) == (1, 4.0, [1, 0])
+    s.mail(1, 0, 0, 4.0, NO_STOP)
+    ready, count, *stop_and_mask = s.wait_mailed(1, 0, 10)
+    assert (ready, count, stop_and_mask) == (1, 4.0, [0, 0, 1, 0])
 
 
 @pytest.mark.timeout(60)
@@ -58,7 +60,7 @@ def test_a_wait_blocks_on_the_ps_until_what_it_waits_for_happens():
         later = threading.Timer(0.3, lambda: chief.call("publish", 0))
         later.start()
         started = time.monotonic()
-        ready, left_out = worker.call("wait_applied", 1, 0, steps.WAIT_MS)
+        ready, left_out, *stop = worker.call("wait_applied", 1, 0, steps.WAIT_MS)
         took = time.monotonic() - started
         assert (ready, left_out) == (1, 0) and 0.2 < took < 0.9, took  # woken, not the pause
         # A wait that never ends fails after the client's timeout, saying why.
@@ -73,3 +75,18 @@ def test_a_wait_blocks_on_the_ps_until_what_it_waits_for_happens():
         np.testing.assert_equal(chief.call("open", 2, 2), 1)
     finally:
         server.close()
+
+
+def test_a_stop_request_in_a_mail_the_chief_took_reaches_every_worker_for_that_step():
+    """SIGTERM or a callback's stop_training on one worker: its next mail carries it, and
+    the step the chief applies with that mail says stop to everyone, the late ones too."""
+    s = steps.Steps()
+    s.open(0, 3, 2)
+    s.mail(0, 0, 0, 1.0, NO_STOP)
+    s.mail(0, 1, 0, 1.0, [0.0, 1.0])  # worker 1 got SIGTERM
+    ready, _, *stop_and_mask = s.wait_mailed(0, 0, 10)
+    assert ready == 1 and stop_and_mask[:2] == [0, 1]
+    s.mail(0, 2, 0, 1.0, [1.0, 0.0])  # too late for the chief: its request waits a step
+    s.publish(0, 0)
+    for w in range(3):
+        assert list(s.wait_applied(0, w, 0, 10))[2:] == [0, 1]

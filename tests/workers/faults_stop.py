@@ -1,12 +1,13 @@
-"""Stopping together under CollectiveAllReduce / Hybrid: one worker asks, every worker stops.
+"""Stopping together under CollectiveAllReduce / Hybrid / ParameterServer: one worker asks,
+every worker stops (ParameterServer async: that worker stops).
 
-Usage (under TF_CONFIG, 2 workers): python faults_stop.py OUT_DIR CASES [STRATEGY]
+Usage (under TF_CONFIG, 2 workers; 1 ps for ps-*): python faults_stop.py OUT_DIR CASES [STRATEGY]
 CASES: comma-separated, each one fit of a fresh model, in order:
   nan        worker 1's slice of batch 5 holds a NaN: keras's TerminateOnNaN stops worker 1
   batch      a callback on worker 1 alone sets stop_training after batch 7
   epoch      a callback on worker 0 alone sets stop_training at the end of epoch 1
   sigterm    worker 1 sends itself SIGTERM after batch 6 (BackupAndRestore in the callbacks)
-STRATEGY: car (default) or hybrid.
+STRATEGY: car (default), hybrid, ps-sync or ps-async (ParameterServer's modes).
 Each worker writes OUT_DIR/<case>_<i>.json: the optimizer's iterations, the epochs begun,
 and why it stopped.
 """
@@ -20,7 +21,10 @@ import tfstrat
 
 out_dir, cases = sys.argv[1], sys.argv[2].split(",")
 kind = sys.argv[3] if len(sys.argv) > 3 else "car"
-strategy = (tfstrat.Hybrid if kind == "hybrid" else tfstrat.CollectiveAllReduce)(timeout=30)
+if kind.startswith("ps-"):
+    strategy = tfstrat.ParameterServer(mode=kind[3:], timeout=30)
+else:
+    strategy = (tfstrat.Hybrid if kind == "hybrid" else tfstrat.CollectiveAllReduce)(timeout=30)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402

@@ -37,11 +37,13 @@ if scenario == "backup" and strategy.worker_index == 2:
 
     sync, push = strategy.sync, strategy.sync.push
 
-    def held_push(grads_and_vars, rows=None):
+    def held_push(grads_and_vars, rows=None, asks=None):
         step = sync._step
-        wait = sync.steps.wait_applied(step, lambda s, _: f"held worker 2: step {s} never applied")
-        with tf.control_dependencies([wait]):  # every op of the push, its mail included
-            return push(grads_and_vars, rows)
+        left_out, _ = sync.steps.wait_applied(
+            step, lambda s, _: f"held worker 2: step {s} never applied"
+        )
+        with tf.control_dependencies([left_out]):  # every op of the push, its mail included
+            return push(grads_and_vars, rows, asks)
 
     sync.push = held_push
 

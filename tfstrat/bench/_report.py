@@ -113,6 +113,7 @@ def ps_tasks(strategy: str) -> int:
 
 
 INTERRUPTED_SIGINT, INTERRUPTED_SIGTERM = 130, 143  # the launcher's exit codes for them
+LAUNCHER_STOPPED = "received; stopped all tasks"  # what the launcher says then
 
 
 class Interrupted(Exception):
@@ -162,8 +163,8 @@ def run_row(
         ),
         out,
     )
-    if code in (INTERRUPTED_SIGINT, INTERRUPTED_SIGTERM):  # the launcher stopped the tasks
-        raise Interrupted(code)
+    if code in (INTERRUPTED_SIGINT, INTERRUPTED_SIGTERM) and LAUNCHER_STOPPED in out.getvalue():
+        raise Interrupted(code)  # the bench got the signal (not a task's own exit code)
     lines = out.getvalue().splitlines()
     results = {}
     for line in lines:

@@ -234,10 +234,14 @@ def table(rows, impls, ceiling) -> str:
             line.append("-")
         elif two:  # bandwidth-bound: each transport against its limit
             tcp = r.get("tfstrat-tcp_busbw_GBps")
-            line.append(
-                f"{r['tfstrat_busbw_GBps'] / copy:.0%} of a memory copy"
-                + (f"; tcp: {tcp / two:.0%} of two streams" if tcp else "")
-            )
+            bus = r["tfstrat_busbw_GBps"]
+            if r["workers"] == 2 and copy:  # shared memory: two workers on one machine
+                line.append(
+                    f"{bus / copy:.0%} of a memory copy"
+                    + (f"; tcp: {tcp / two:.0%} of two streams" if tcp else "")
+                )
+            else:  # 3+ workers: the ring over TCP
+                line.append(f"{bus / two:.0%} of two streams")
         else:  # latency-bound: the time against the floor
             line.append(f"{r['tfstrat_ms'] / r['floor_ms']:.1f}x the floor")
         body.append(line)

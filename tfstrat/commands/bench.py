@@ -8,19 +8,27 @@ from tfstrat.commands import _args
 
 
 def run(args) -> int:
+    import signal
+
     from tfstrat.bench import _report
 
+    def on_sigterm(signum, frame):  # between rows (`launch` handles it within one)
+        raise _report.Interrupted(_report.INTERRUPTED_SIGTERM)
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         return _run(args)
-    except _report.Interrupted as e:  # a row's tasks are stopped; the rows before it written
-        print(
-            f"tfstrat bench: interrupted; the rows measured before it are in {args.out}",
-            file=sys.stderr,
+    except (_report.Interrupted, KeyboardInterrupt) as e:  # a row's tasks are stopped
+        code = e.code if isinstance(e, _report.Interrupted) else _report.INTERRUPTED_SIGINT
+        kept = (
+            "nothing written"
+            if args.name == "allreduce"
+            else f"the rows measured before it are in {args.out}"
         )
-        return e.code
-    except KeyboardInterrupt:  # Ctrl-C between rows
-        print("tfstrat bench: interrupted", file=sys.stderr)
-        return _report.INTERRUPTED_SIGINT
+        print(f"tfstrat bench: interrupted; {kept}", file=sys.stderr)
+        return code
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _run(args) -> int:

@@ -33,6 +33,8 @@ _WATCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "watch.py")
 # TensorFlow reports a port taken between choosing and binding it only as this.
 _PORT_ERRORS = ("Could not start gRPC server", "Address already in use")
 _TAIL_LINES = 200  # enough for a crash dump of several threads
+# What a worker that stopped gracefully on SIGTERM says last (tfstrat.strategies._stopping).
+STOPPED_ON_SIGTERM = "stopped on SIGTERM; exiting with 143"
 _BLAME_LINES = 40  # the lines searched for an error line and the tasks it names
 # TensorFlow's task names, and tfstrat's (`worker:1`, `ps:0 at host:port`).
 _TASK_NAME = re.compile(r"/job:(\w+)/replica:\d+/task:(\d+)|\b(chief|worker|ps|evaluator):(\d+)\b")
@@ -254,7 +256,11 @@ def blame(
 
     `known` holds every task of the cluster (in a multi-node run, other nodes' too)."""
     places = places or {}
-    named = named_tasks(list(task.tail)[-_BLAME_LINES:], task.name, known)
+    tail = list(task.tail)[-_BLAME_LINES:]
+    if exit_status(returncode) == 143 and any(STOPPED_ON_SIGTERM in line for line in tail):
+        # It stopped as it was told (its logs may name other tasks): nobody else to blame.
+        return Failure(task, returncode, task.name, "", places)
+    named = named_tasks(tail, task.name, known)
     if named:
         return Failure(task, returncode, named[0], f"with an error naming {named[0]}", places)
     others = [name for name in left_early if name != task.name]

@@ -8,16 +8,20 @@ wait blocks on ps 0 until the state it waits for changes: no task reads TensorFl
 in a loop, and no step graph holds a loop across devices.
 
     open(group, workers, required)     -> the global step (creates the group's state once)
-    mail(group, worker, step, rows)    -> 1 if recorded (the global step is still `step`), 0 if
-                                          stale (a backup that came too late)
-    wait_mailed(group, step, ms)       -> [ready, count, mask...]: ready once `required`
-                                          workers (or every running one, if fewer) mailed
-                                          `step`; then `included` is recorded
+    mail(group, worker, step, rows, asks)
+                                       -> 1 if recorded (the global step is still `step`), 0 if
+                                          stale (a backup that came too late); `asks`: the
+                                          worker's two stop requests (`_stopping`)
+    wait_mailed(group, step, ms)       -> [ready, count, stop x2, mask...]: ready once
+                                          `required` workers (or every running one, if fewer)
+                                          mailed `step`; then `included` is recorded, and the
+                                          step's stop: any request of the workers taken
     publish(group, step)               -> the global step, now step + 1
     wait_applied(group, worker, step, ms)
-                                       -> [ready, left out]: ready once the global step passed
-                                          `step` or the chief finished the fit this worker is
-                                          in; left out: it mailed `step` and was not taken
+                                       -> [ready, left out, stop x2]: ready once the global
+                                          step passed `step` or the chief finished the fit this
+                                          worker is in; left out: it mailed `step` and was not
+                                          taken; the step's stop, as the chief got it
     fit_done(group, worker)            -> 0 (the others stop waiting for it)
 
 A wait answers after at most `WAIT_MS` even when not ready, so the worker checks its own
@@ -47,6 +51,8 @@ class _Group:
         self.rows = [0.0] * workers  # that mail's weight
         self.included = [-1] * workers  # the last step the chief took each worker's mail in
         self.fits = [0] * workers  # fits each worker finished
+        self.asks = [(0.0, 0.0)] * workers  # each worker's stop requests, with its last mail
+        self.stops: dict[int, tuple[float, float]] = {}  # the last steps' agreed stops
 
 
 class Steps:
@@ -81,13 +87,14 @@ class Steps:
                 )
             return np.int64(g.step)
 
-    def mail(self, group, worker, step, rows):
+    def mail(self, group, worker, step, rows, asks):
         with self.changed:
             g = self._group(group)
             w = self._worker(g, worker)
             if g.step != int(step):
                 return np.int64(0)
             g.mailed[w], g.rows[w] = int(step), float(rows)
+            g.asks[w] = tuple(float(a) for a in np.reshape(asks, [2]))
             self.changed.notify_all()
             return np.int64(1)
 
@@ -102,13 +109,17 @@ class Steps:
                 return sum(m == s for m in g.mailed) >= need
 
             if not self.changed.wait_for(ready, _seconds(ms)):
-                return np.array([0, 0, *g.mailed], np.float64)
+                return np.array([0, 0, 0, 0, *g.mailed], np.float64)
             mask = [m == s for m in g.mailed]
             for w, taken in enumerate(mask):
                 if taken:
                     g.included[w] = s
             count = sum(r for r, taken in zip(g.rows, mask) if taken)
-            return np.array([1, count, *mask], np.float64)
+            taken = [a for a, t in zip(g.asks, mask) if t]
+            g.stops[s] = stop = tuple(float(any(a[k] for a in taken)) for k in range(2))
+            for old in [k for k in g.stops if k < s - 16]:  # a late worker asks a few back
+                del g.stops[old]
+            return np.array([1, count, *stop, *mask], np.float64)
 
     def publish(self, group, step):
         with self.changed:
@@ -126,9 +137,9 @@ class Steps:
             # worker's remaining gradients are dropped.
             done = lambda: g.step > s or g.fits[0] > g.fits[w]  # noqa: E731
             if not self.changed.wait_for(done, _seconds(ms)):
-                return np.array([0, 0], np.int64)
+                return np.array([0, 0, 0, 0], np.float64)
             left_out = g.mailed[w] == s and g.included[w] != s
-            return np.array([1, int(left_out)], np.int64)
+            return np.array([1, left_out, *g.stops.get(s, (0.0, 0.0))], np.float64)
 
     def fit_done(self, group, worker):
         with self.changed:
@@ -156,8 +167,9 @@ class Client:
 
     def call(self, method: str, *args) -> np.ndarray:
         with self.lock:
-            self.connection.send(f"steps_{method}", np.int64(self.group), *map(np.asarray, args))
-            return self.connection.receive(method)[0]
+            name = f"steps_{method}"
+            self.connection.send(name, np.int64(self.group), *map(np.asarray, args))
+            return self.connection.receive(name)[0]
 
     def _op(self, fn, inputs, dtype):
         import tensorflow as tf
@@ -171,29 +183,34 @@ class Client:
         out = self._op(lambda: self.call("open", workers, required), [], "int64")
         return _scalar(out)
 
-    def mail(self, step, rows):
-        fn = lambda s, r: self.call("mail", self.worker, s, r)  # noqa: E731
-        return _scalar(self._op(fn, [step, rows], "int64"))
+    def mail(self, step, rows, asks):
+        """1 if recorded, 0 if stale; `asks`: this worker's two stop requests (float32)."""
+        fn = lambda s, r, a: self.call("mail", self.worker, s, r, a)  # noqa: E731
+        return _scalar(self._op(fn, [step, rows, asks], "int64"))
 
     def wait_mailed(self, step, why):
-        """(the workers taken as a bool vector, the sum of their rows); raises after the
-        timeout with `why(step, the step each worker last mailed)`."""
+        """(the workers taken as a bool vector, the sum of their rows, the step's stop
+        requests); raises after the timeout with `why(step, the step each worker last
+        mailed)`."""
 
         def wait(s):
-            out = self._until(lambda ms: self.call("wait_mailed", s, ms), why, s)
+            out = self._until(lambda ms: self.call("wait_mailed", s, ms), why, s, skip=4)
             return out[1:].astype(np.float32)
 
         out = self._op(wait, [step], "float32")
-        return out[1:] > 0, out[0]
+        return out[3:] > 0, out[0], out[1:3]
 
     def wait_applied(self, step, why):
-        """1 if this worker mailed `step` and the chief left it out, else 0, once the step was
-        applied (or the chief finished its fit); raises after the timeout with `why(step)`."""
+        """(1 if this worker mailed `step` and the chief left it out, else 0; the step's stop
+        requests), once the step was applied (or the chief finished its fit); raises after the
+        timeout with `why(step, [])`."""
 
         def wait(s):
-            return self._until(lambda ms: self.call("wait_applied", self.worker, s, ms), why, s)[1]
+            out = self._until(lambda ms: self.call("wait_applied", self.worker, s, ms), why, s)
+            return out[1:].astype(np.float32)
 
-        return _scalar(self._op(wait, [step], "int64"))
+        out = self._op(wait, [step], "float32")
+        return tf_int64(out[0]), out[1:3]
 
     def publish(self, step):
         return _scalar(self._op(lambda s: self.call("publish", s), [step], "int64"))
@@ -202,17 +219,28 @@ class Client:
         """Eager, at the end of each of this worker's fits."""
         self.call("fit_done", self.worker)
 
-    def _until(self, call, why, step):
+    def _until(self, call, why, step, skip: int = 2):
+        """`call(ms)` until its answer's first number says ready; after the timeout raises
+        `why(step, the answer's numbers from `skip` on)`."""
         deadline = time.monotonic() + self.timeout
+        # Each wait well inside the connection's own timeout (the strategy's): a late answer
+        # must not end the connection before this names what it waited for.
+        ms = max(1, min(WAIT_MS, int(self.timeout * 500)))
         while True:
-            out = call(WAIT_MS)
+            out = call(ms)
             if out[0]:
                 return out
             if time.monotonic() > deadline:
-                raise TimeoutError(why(int(step), out[2:].astype(np.int64).tolist()))
+                raise TimeoutError(why(int(step), out[skip:].astype(np.int64).tolist()))
 
 
 def _scalar(t):
     import tensorflow as tf
 
     return tf.reshape(t, [])
+
+
+def tf_int64(t):
+    import tensorflow as tf
+
+    return tf.cast(t, tf.int64)

@@ -3,8 +3,7 @@
 Every worker keeps a mailbox on the ps for each variable's gradient (dense: a tensor shaped
 like the variable; sparse: its indices and rows). A step `s` runs like this:
 
-1. Every worker reads the global step `s` (`begin_step`); with backup workers, before it reads
-   any variable.
+1. Every worker reads the global step `s` (`begin_step`) before it reads any variable.
 2. It writes its gradients into its mailboxes, then mails step `s` (with its rows) on ps 0.
    A worker whose mail finds the global step already past `s` (a backup that came too late)
    is not recorded; its gradient is stale and counted as dropped.
@@ -46,10 +45,6 @@ class SyncReplicas:
         self.worker = worker
         self.is_chief = is_chief
         self.required = replicas_to_aggregate
-        # With backups a worker's variable reads wait for its read of the global step: a
-        # variable read before it could belong to a step the chief applied meanwhile. Without,
-        # no step is applied without this worker's push, so the two run side by side.
-        self.backups = replicas_to_aggregate < num_workers
         self.timeout = steps.timeout
         with tf.init_scope():
             self.dropped_count = tf.Variable(0, dtype=tf.int64, trainable=False, name="dropped")
@@ -69,10 +64,11 @@ class SyncReplicas:
     # -- step boundaries -----------------------------------------------------------------
 
     def begin_step(self) -> list:
-        """Reads the global step; returns what the step's variable reads must wait for (the
-        read itself with backups, else nothing)."""
+        """Reads the global step; returns what the step's variable reads must wait for: the
+        read itself (a variable read before it could belong to a step the chief applied
+        meanwhile, without this worker: a backup's, or one whose fit ended early)."""
         self._step = self.steps.begin(self.num_workers, self.required)
-        return [self._step] if self.backups else []
+        return [self._step]
 
     # -- mailboxes ----------------------------------------------------------------------
 
@@ -146,21 +142,24 @@ class SyncReplicas:
 
     # -- the step -----------------------------------------------------------------------
 
-    def push(self, grads_and_vars, rows=None):
+    def push(self, grads_and_vars, rows=None, asks=None):
         """Step 2: this worker's gradients into its mailboxes, then mailed for step `s` on
         ps 0; a stale one (the global step moved past `s`) is counted as dropped.
 
         `rows` (a scalar tensor, or None for weight 1) is the number of rows the gradients are
-        the mean of: they are handed in multiplied by it, and the mail carries it.
+        the mean of: they are handed in multiplied by it, and the mail carries it. So does
+        `asks`, this worker's two stop requests (`tfstrat.strategies._stopping`; None: none).
         """
         weight = tf.constant(1.0) if rows is None else tf.cast(rows, tf.float32)
+        asks = tf.zeros([2]) if asks is None else tf.cast(asks, tf.float32)
         writes = [op for g, v in grads_and_vars for op in self._write(v, scale(g, weight))]
         with tf.control_dependencies(writes):
-            fresh = self.steps.mail(self._step, weight)
+            fresh = self.steps.mail(self._step, weight, asks)
         return self.dropped_count.assign_add(1 - fresh)
 
     def aggregate(self, grads_and_vars, after):
-        """Step 3 (chief): waits for enough fresh mailboxes; returns their rows-weighted mean."""
+        """Step 3 (chief): waits for enough fresh mailboxes; returns their rows-weighted mean
+        and the step's stop requests (any of the workers taken)."""
         s, required, timeout = self._step, self.required, self.timeout
 
         def why(step, mailed):
@@ -172,10 +171,10 @@ class SyncReplicas:
             )
 
         with tf.control_dependencies([after]):
-            mask, count = self.steps.wait_mailed(s, why)
+            mask, count, stop = self.steps.wait_mailed(s, why)
         mask = tf.unstack(tf.reshape(mask, [self.num_workers]))
         averaged = [(self._average(v, g, mask, count), v) for g, v in grads_and_vars]
-        return averaged
+        return averaged, stop
 
     def publish(self, applied):
         """Step 3, last (chief): the next step may begin."""
@@ -183,12 +182,10 @@ class SyncReplicas:
             return self.steps.publish(self._step)
 
     def finish(self, after):
-        """Step 4: waits until the step is applied; counts this worker's gradient if it was
-        left out. The chief applied the step itself, with its own gradient: it waits for
-        nothing."""
-        if self.is_chief:
-            with tf.control_dependencies(after):
-                return self.dropped_count.read_value()
+        """Step 4 (the other workers): waits until the step is applied; counts this worker's
+        gradient if it was left out; returns (that count, the step's stop requests, as the
+        chief got them). The chief applied the step itself, with its own gradient: it waits
+        for nothing, and does not call this."""
         w = self.worker
 
         def why(step, _):
@@ -198,5 +195,5 @@ class SyncReplicas:
             )
 
         with tf.control_dependencies(after):
-            left_out = self.steps.wait_applied(self._step, why)
-        return self.dropped_count.assign_add(left_out)
+            left_out, stop = self.steps.wait_applied(self._step, why)
+        return self.dropped_count.assign_add(left_out), stop

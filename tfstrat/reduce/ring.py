@@ -101,19 +101,26 @@ class Ring:
     def _share_memory(self, timeout: float):
         """(this worker's region, the other's) if both workers can open each other's memory
         (`tfstrat.reduce.shared_memory`), else None: both decide alike."""
-        region = shared_memory.Region() if shared_memory.enabled() else None
-        offer = region.offer() if region else shared_memory.OFFER.pack(0, 0, bytes(16))
-        self._next.sendall(offer)
-        their_offer = _read(self._prev, shared_memory.OFFER.size, self._prev_name, timeout)
-        peer = shared_memory.open_peer(their_offer) if region else None
-        self._next.sendall(b"\1" if peer else b"\0")
-        both = peer is not None and _read(self._prev, 1, self._prev_name, timeout) == b"\1"
+        region = peer = None
+        if shared_memory.enabled():
+            try:
+                region = shared_memory.Region()
+            except OSError as e:  # no memfd here (a sandbox): TCP
+                logger.info("tfstrat ring: no shared memory (%s); TCP only", e)
+        both = False
+        try:
+            offer = region.offer() if region else shared_memory.OFFER.pack(0, 0, bytes(16))
+            self._next.sendall(offer)
+            their_offer = _read(self._prev, shared_memory.OFFER.size, self._prev_name, timeout)
+            peer = shared_memory.open_peer(their_offer) if region else None
+            self._next.sendall(b"\1" if peer else b"\0")
+            both = _read(self._prev, 1, self._prev_name, timeout) == b"\1" and peer is not None
+        finally:
+            if not both:  # TCP, or the start failed: nothing of it stays open
+                for r in (region, peer):
+                    if r is not None:
+                        r.close()
         if not both:
-            if peer is None:
-                _read(self._prev, 1, self._prev_name, timeout)
-            for r in (region, peer):
-                if r is not None:
-                    r.close()
             return None
         logger.info("tfstrat ring: %s shares memory with this worker", self._prev_name)
         return region, peer
@@ -218,7 +225,7 @@ class Ring:
         parts = ([] if flat is None else [_bytes_of(flat)]) + [_bytes_of(g) for g in gathers]
         targets = [] if flat is None else [_Summing(None, flat, None)]
         targets += [_Rows(g, self.rank, 2) for g in gathers]
-        descriptor = region.write(parity, parts)
+        descriptor = region.write(self.calls, parts)
         incoming = self._duplex(parts, targets, descriptor)
         try:
             views = peer.parts(incoming.extra(), parity, incoming.sizes())

@@ -18,7 +18,10 @@ Layout: two slots, by the parity of the call number. Call k writes slot k % 2; t
 worker reads it during its call k, which ends before it sends call k+1's header, which this
 worker receives before its call k+2 writes that slot again. A message larger than a slot
 makes a new, larger memory file (its generation goes up by one, in the header); the other
-worker keeps its mapping of the old one until it sees the new generation.
+worker keeps its mapping of the old one until it sees the new generation. This worker keeps
+each file it made open until two calls after the call that introduced it, by the same
+argument: by then the other worker has opened it (a file number closed sooner could be
+reused by the next file and opened in its place).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
+import stat
 import struct
 
 ENV = "TFSTRAT_RING_SHARED_MEMORY"
@@ -50,41 +54,58 @@ class Region:
         self.generation = 0
         self.fd = -1
         self.map: mmap.mmap | None = None
-        self._make(slot)
+        self.made_at = 0  # the call that introduced the current file
+        self.retired: list[tuple[int, mmap.mmap, int]] = []  # (fd, map, made_at)
+        self._make(slot, 0)
         self.token = secrets.token_bytes(16)
         self.map[:16] = self.token  # read back by the other worker at start
 
-    def _make(self, slot: int) -> None:
+    def _make(self, slot: int, call: int) -> None:
         fd = os.memfd_create("tfstrat-ring", os.MFD_CLOEXEC)
-        os.ftruncate(fd, 2 * slot)
-        mapped = mmap.mmap(fd, 2 * slot)
-        self.close()
-        self.fd, self.map, self.slot = fd, mapped, slot
+        try:
+            os.ftruncate(fd, 2 * slot)
+            mapped = mmap.mmap(fd, 2 * slot)
+        except BaseException:
+            os.close(fd)
+            raise
+        if self.map is not None:
+            self.retired.append((self.fd, self.map, self.made_at))
+        self.fd, self.map, self.slot, self.made_at = fd, mapped, slot, call
         self.generation += 1
 
     def offer(self) -> bytes:
         return OFFER.pack(os.getpid(), self.fd, self.token)
 
-    def write(self, parity: int, parts: list[memoryview]) -> bytes:
-        """Copies `parts` into slot `parity` (growing the file if needed); returns the
+    def write(self, call: int, parts: list[memoryview]) -> bytes:
+        """Copies `parts` into slot `call % 2` (growing the file if needed); returns the
         descriptor that goes in the call's header."""
+        for entry in [r for r in self.retired if r[2] + 2 <= call]:  # opened by the other
+            self.retired.remove(entry)
+            _close(*entry[:2])
         need = sum(_aligned(p.nbytes) for p in parts)
         if need > self.slot:
-            self._make(max(need, 2 * self.slot))
-        at = parity * self.slot
+            self._make(max(need, 2 * self.slot), call)
+        at = (call & 1) * self.slot
         for p in parts:
             self.map[at : at + p.nbytes] = p
             at += _aligned(p.nbytes)
         return DESCRIPTOR.pack(self.fd, self.generation, self.slot)
 
     def close(self) -> None:
+        for fd, mapped, _ in self.retired:
+            _close(fd, mapped)
+        self.retired = []
         if self.map is not None:
-            try:
-                self.map.close()
-            except BufferError:  # a view of it still alive: freed with the last one
-                pass
-            os.close(self.fd)
+            _close(self.fd, self.map)
             self.map = None
+
+
+def _close(fd: int, mapped: mmap.mmap) -> None:
+    try:
+        mapped.close()
+    except BufferError:  # a view of it still alive: freed with the last one
+        pass
+    os.close(fd)
 
 
 class PeerRegion:
@@ -96,9 +117,16 @@ class PeerRegion:
         self._open(fd, generation, None)
 
     def _open(self, fd: int, generation: int, slot: int | None) -> None:
-        with open(f"/proc/{self.pid}/fd/{fd}", "rb") as f:
-            size = os.fstat(f.fileno()).st_size if slot is None else 2 * slot
-            mapped = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
+        # Non-blocking: /proc/PID/fd/FD of another machine's PID may be a pipe or a device.
+        own = os.open(f"/proc/{self.pid}/fd/{fd}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            info = os.fstat(own)
+            size = info.st_size if slot is None else 2 * slot
+            if not stat.S_ISREG(info.st_mode) or info.st_size < max(size, 2 * _ALIGN):
+                raise OSError(f"/proc/{self.pid}/fd/{fd} is not a ring's memory file")
+            mapped = mmap.mmap(own, size, prot=mmap.PROT_READ)
+        finally:
+            os.close(own)
         self.close()
         self.map, self.generation, self.slot = mapped, generation, size // 2
 
@@ -133,7 +161,7 @@ def open_peer(offer: bytes) -> PeerRegion | None:
         return None
     try:
         peer = PeerRegion(pid, fd)
-    except OSError:
+    except (OSError, ValueError):  # not there, not ours, or not a file that maps
         return None
     if peer.token() != token:
         peer.close()

@@ -9,7 +9,8 @@ answered (a TCP connect to each peer's TF_CONFIG address tells a task that is no
 from one that is) and ends this process with exit code 1, a plain failure: for the length of
 the start-up, SIGHUP's handler is libc's `_exit` itself (called with the signal's number, 1),
 which runs without Python's GIL. (A SIGKILL would also get through, but exit 137 reads as an
-out-of-memory kill to schedulers and scripts.)
+out-of-memory kill to schedulers and scripts; it is the fallback when the program ignores or
+handles SIGHUP itself.)
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def _watch(argv: list[str]) -> None:
     import select
 
     fd, pid, timeout = int(argv[0]), int(argv[1]), float(argv[2])
-    me, everyone = argv[3], [tuple(p) for p in json.loads(argv[4])]
+    me, everyone, signum = argv[3], [tuple(p) for p in json.loads(argv[4])], int(argv[5])
     ready, _, _ = select.select([fd], [], [], timeout)
     if ready:  # start-up finished (the pipe closed) or the process died
         return
@@ -66,27 +67,27 @@ def _watch(argv: list[str]) -> None:
     if select.select([fd], [], [], 0)[0]:  # finished while we probed
         return
     print(message, file=sys.stderr, flush=True)
-    os.kill(pid, EXIT_SIGNAL)
+    os.kill(pid, signum)
 
 
 EXIT_SIGNAL = signal.SIGHUP  # its number, 1, becomes the exit code (`_exit_on`)
 
 
-@contextlib.contextmanager
 def _exit_on(signum: int):
-    """While in the body, `signum` ends this process at once with exit code `signum`: its
-    handler is libc's `_exit`, which needs no GIL (a Python handler would wait for TensorFlow
-    to let go of it)."""
+    """Makes `signum` end this process at once with exit code `signum`: its handler becomes
+    libc's `_exit`, which needs no GIL (a Python handler would wait for TensorFlow to let go
+    of it). Returns a function that restores the signal's default action, or None when the
+    signal was not at its default (ignored, as under nohup, or handled by the program): then
+    it is left alone, and the watchdog kills instead."""
     import ctypes
 
+    if signal.getsignal(signum) is not signal.SIG_DFL:
+        return None
     libc = ctypes.CDLL(None, use_errno=True)
     libc.signal.restype = ctypes.c_void_p
     libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
-    before = libc.signal(signum, ctypes.cast(libc._exit, ctypes.c_void_p).value)
-    try:
-        yield
-    finally:
-        libc.signal(signum, before)
+    libc.signal(signum, ctypes.cast(libc._exit, ctypes.c_void_p).value)
+    return lambda: libc.signal(signum, 0)  # SIG_DFL
 
 
 @contextlib.contextmanager
@@ -97,20 +98,30 @@ def watchdog(tf_config: TFConfig | None, timeout: float | None):
         yield
         return
     me = f"{tf_config.task_type}:{tf_config.task_index}"
+    restore = _exit_on(EXIT_SIGNAL)
+    signum = EXIT_SIGNAL if restore else signal.SIGKILL
     read, write = os.pipe()
     argv = [str(read), str(os.getpid()), str(timeout), me, json.dumps(peers(tf_config))]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tfstrat.strategies._startup", *argv],
-        pass_fds=(read,),
-        stdin=subprocess.DEVNULL,
-    )
-    os.close(read)
     try:
-        with _exit_on(EXIT_SIGNAL):
-            yield
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tfstrat.strategies._startup", *argv, str(int(signum))],
+            pass_fds=(read,),
+            stdin=subprocess.DEVNULL,
+        )
+    except BaseException:
+        os.close(write)
+        if restore:
+            restore()
+        raise
+    finally:
+        os.close(read)
+    try:
+        yield
     finally:
         os.close(write)  # the watchdog sees end-of-file and exits
         proc.wait()
+        if restore:  # only now: a watchdog that had decided has sent its signal by now
+            restore()
 
 
 if __name__ == "__main__":

@@ -146,6 +146,8 @@ class StopAgreement:
             model.stop_training = False
             if np.asarray(agreed).any():
                 self._stop(model, np.asarray(agreed))
+            elif model._tfstrat_stop is not None:  # agreed in a step; a local epoch agreement
+                model.stop_training = True  # (ParameterServer's) knows only its own requests
 
         def train_end(logs=None):
             on_train_end(logs)

@@ -37,7 +37,7 @@ from tfstrat.ps.connect import Heartbeat, connect
 from tfstrat.ps.sync import SyncReplicas
 from tfstrat.ps.tables import rpc_address
 from tfstrat.reduce.sparse import dedup
-from tfstrat.strategies import _compute, _exact_step, _reuse
+from tfstrat.strategies import _compute, _exact_step, _reuse, _stopping
 from tfstrat.strategies import agreement as _agreement
 
 logger = logging.getLogger(__name__)
@@ -257,6 +257,11 @@ class ParameterServer(distribute_lib.Strategy):
                     worker=worker,
                 ),
             )
+        # SIGTERM and a callback's stop_training: under sync, a request rides the worker's
+        # mail and every worker stops after the step whose mails carried it; under async, each
+        # worker stops after its own next step (its steps wait for no one).
+        task = f"{tf_config.task_type}:{tf_config.task_index}"
+        self._stop = _stopping.StopAgreement(lambda asked: asked, task)
         self._adopted: set[int] = set()
         # Models, not ids: a new model can reuse a collected one's id on one task only.
         self._agreed = weakref.WeakSet()
@@ -339,6 +344,8 @@ class ParameterServer(distribute_lib.Strategy):
             self._check_rows(_static_rows(args))
             self._guard_rows(model, step)
             args = self._slice(args)
+        if self._stop is not None and step == "train_step" and model is not None:
+            self._stop.attach(model)
         if self.sync is not None and step == "train_step":
             inner = fn
             _exact_step._watch_keras_scaling()
@@ -472,7 +479,7 @@ class ParameterServer(distribute_lib.Strategy):
         )
         _atomic_increment(optimizer)
         original = optimizer.apply
-        sync, is_chief = self.sync, self.extended.is_chief
+        sync, is_chief, stop = self.sync, self.extended.is_chief, self._stop
 
         def apply(grads, trainable_variables=None):
             variables = (
@@ -481,23 +488,32 @@ class ParameterServer(distribute_lib.Strategy):
                 else list(optimizer._trainable_variables)
             )
             grads = [dedup(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
-            if sync is None:
-                return original(grads, variables)
+            asks = stop.flags(tf.float32) if stop is not None else None
+            if sync is None:  # async: each worker stops on its own requests, after its step
+                applied = original(grads, variables)
+                if stop is not None:
+                    stop.agree(asks)
+                return applied
             if not optimizer.built:
                 optimizer.build(variables)
             pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
             tf_pairs = [(g, v.value) for g, v in pairs]
             state = _exact_step._step
-            delivered = sync.push(tf_pairs, state.rows if state.scaled else None)
+            delivered = sync.push(tf_pairs, state.rows if state.scaled else None, asks)
             if not is_chief:
-                return sync.finish([delivered])
-            averaged = sync.aggregate(tf_pairs, delivered)
-            original([g for g, _ in averaged], [v for _, v in pairs])
-            # Reads ordered after every update: publish only once the step is applied.
-            applied = [optimizer.iterations.value.read_value()]
-            applied += [v.value.is_initialized() for _, v in pairs]
-            applied += [v.value.is_initialized() for v in optimizer.variables]
-            return sync.finish([sync.publish(applied)])
+                done, agreed = sync.finish([delivered])
+            else:
+                averaged, agreed = sync.aggregate(tf_pairs, delivered)
+                original([g for g, _ in averaged], [v for _, v in pairs])
+                # Reads ordered after every update: publish only once the step is applied.
+                applied = [optimizer.iterations.value.read_value()]
+                applied += [v.value.is_initialized() for _, v in pairs]
+                applied += [v.value.is_initialized() for v in optimizer.variables]
+                done = sync.publish(applied)
+            if stop is not None:  # the step's requests, the same on every worker
+                with tf.control_dependencies([done]):
+                    stop.agree(agreed)
+            return done
 
         optimizer.apply = apply
         if sync is not None:
