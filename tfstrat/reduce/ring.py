@@ -105,7 +105,7 @@ class Ring:
         if shared_memory.enabled():
             try:
                 region = shared_memory.Region()
-            except OSError as e:  # no memfd here (a sandbox): TCP
+            except (OSError, AttributeError) as e:  # no memfd here (a sandbox, not Linux): TCP
                 logger.info("tfstrat ring: no shared memory (%s); TCP only", e)
         both = False
         try:
