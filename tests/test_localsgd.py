@@ -19,7 +19,11 @@ TOLERANCE = 1e-5
 @pytest.fixture(scope="module")
 def cluster_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("localsgd")
-    code, log = launch_script("localsgd_run.py", str(out), workers=2)
+    # Bytes are counted on the ring's sockets: TCP alone, as between two machines (on one, two
+    # workers exchange the payload through shared memory and only headers cross the sockets).
+    code, log = launch_script(
+        "localsgd_run.py", str(out), workers=2, env={"TFSTRAT_RING_SHARED_MEMORY": "0"}
+    )
     assert code == 0, log[-6000:]
     run_script("localsgd_run.py", str(out), "--plain")
     reports = [json.loads((out / f"worker_{i}.json").read_text()) for i in range(2)]

@@ -270,8 +270,9 @@ def main(config: dict) -> dict:
     clock, traffic, ring_bytes = Clock(), Traffic(), RingBytes()
     steps, repeats = int(config["steps"]), int(config["repeats"])
     local_sgd = config["strategy"].startswith(("localsgd-", "diloco-"))
-    if local_sgd:  # what crosses this worker's sockets: its sent bytes, every peer
-        tcp_bytes = lambda ports: (_sent_bytes(),)  # noqa: E731
+    if local_sgd:  # what this worker sends: on its sockets, every peer, and shared memory
+        shared = lambda: ring.shared_bytes if ring is not None else 0  # noqa: E731
+        tcp_bytes = lambda ports: (_sent_bytes() + shared(),)  # noqa: E731
     callbacks = [clock] + ([traffic] if ps_ports or local_sgd else [])
     callbacks += [ring_bytes] if ring is not None and not local_sgd else []
     model.fit(data, steps_per_epoch=steps, epochs=1 + repeats, verbose=0, callbacks=callbacks)

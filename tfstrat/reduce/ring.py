@@ -82,6 +82,8 @@ class Ring:
         self.calls = 0
         #: Bytes this worker has sent through the ring (headers included), for benchmarks.
         self.bytes_sent = 0
+        #: Of those, the bytes handed over through shared memory (not on a socket).
+        self.shared_bytes = 0
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         self._scratch_buf: np.ndarray | None = None
@@ -226,6 +228,7 @@ class Ring:
         targets = [] if flat is None else [_Summing(None, flat, None)]
         targets += [_Rows(g, self.rank, 2) for g in gathers]
         descriptor = region.write(self.calls, parts)
+        self.shared_bytes += sum(p.nbytes for p in parts)
         incoming = self._duplex(parts, targets, descriptor)
         try:
             views = peer.parts(incoming.extra(), parity, incoming.sizes())
