@@ -209,8 +209,10 @@ class Client:
             out = self._until(lambda ms: self.call("wait_applied", self.worker, s, ms), why, s)
             return out[1:].astype(np.float32)
 
+        import tensorflow as tf
+
         out = self._op(wait, [step], "float32")
-        return tf_int64(out[0]), out[1:3]
+        return tf.cast(out[0], tf.int64), out[1:3]
 
     def publish(self, step):
         return _scalar(self._op(lambda s: self.call("publish", s), [step], "int64"))
@@ -238,9 +240,3 @@ def _scalar(t):
     import tensorflow as tf
 
     return tf.reshape(t, [])
-
-
-def tf_int64(t):
-    import tensorflow as tf
-
-    return tf.cast(t, tf.int64)

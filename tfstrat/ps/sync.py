@@ -39,11 +39,10 @@ from tfstrat.reduce.sparse import dedup, scale
 class SyncReplicas:
     """The shared state of synchronous training and the in-graph steps of its protocol."""
 
-    def __init__(self, strategy, *, num_workers, worker, is_chief, replicas_to_aggregate, steps):
+    def __init__(self, strategy, *, num_workers, worker, replicas_to_aggregate, steps):
         self.num_workers = num_workers
         self.steps = steps  # tfstrat.ps.steps.Client: the shared state, on ps 0
         self.worker = worker
-        self.is_chief = is_chief
         self.required = replicas_to_aggregate
         self.timeout = steps.timeout
         with tf.init_scope():
@@ -63,12 +62,12 @@ class SyncReplicas:
 
     # -- step boundaries -----------------------------------------------------------------
 
-    def begin_step(self) -> list:
-        """Reads the global step; returns what the step's variable reads must wait for: the
-        read itself (a variable read before it could belong to a step the chief applied
-        meanwhile, without this worker: a backup's, or one whose fit ended early)."""
+    def begin_step(self):
+        """Reads the global step, which the step's variable reads must wait for (a variable
+        read before it could belong to a step the chief applied meanwhile, without this
+        worker: a backup's, or one whose fit ended early)."""
         self._step = self.steps.begin(self.num_workers, self.required)
-        return [self._step]
+        return self._step
 
     # -- mailboxes ----------------------------------------------------------------------
 

@@ -224,8 +224,9 @@ class Ring:
         region, peer = self._shared
         parity = self.calls & 1
         flat = None if reduce is None else reduce.reshape(-1)
+        summed = None if flat is None else self._results.get(flat.shape, flat.dtype)
         parts = ([] if flat is None else [_bytes_of(flat)]) + [_bytes_of(g) for g in gathers]
-        targets = [] if flat is None else [_Summing(None, flat, None)]
+        targets = [] if flat is None else [_Summing(None, flat, summed)]
         targets += [_Rows(g, self.rank, 2) for g in gathers]
         descriptor = region.write(self.calls, parts)
         self.shared_bytes += sum(p.nbytes for p in parts)
@@ -234,10 +235,6 @@ class Ring:
             views = peer.parts(incoming.extra(), parity, incoming.sizes())
         except OSError as e:  # its larger memory file, gone with it
             raise RingError(f"could not open {self._prev_name}'s shared memory ({e})") from e
-        summed = None
-        if flat is not None:
-            summed = self._results.get(flat.shape, flat.dtype)
-            targets[0].out = summed
         for target, view in zip(targets, views):
             target.take(view)
         if summed is not None:

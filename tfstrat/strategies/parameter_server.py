@@ -247,7 +247,6 @@ class ParameterServer(distribute_lib.Strategy):
                 self,
                 num_workers=workers,
                 worker=worker,
-                is_chief=tf_config.is_chief,
                 replicas_to_aggregate=required,
                 steps=steps.Client(
                     rpc_address(tf_config.addresses("ps")[0]),
@@ -344,7 +343,7 @@ class ParameterServer(distribute_lib.Strategy):
             self._check_rows(_static_rows(args))
             self._guard_rows(model, step)
             args = self._slice(args)
-        if self._stop is not None and step == "train_step" and model is not None:
+        if step == "train_step" and model is not None:
             self._stop.attach(model)
         if self.sync is not None and step == "train_step":
             inner = fn
@@ -356,7 +355,7 @@ class ParameterServer(distribute_lib.Strategy):
                 state = _exact_step._step
                 state.rows, state.scaled = _compute.rows_of((a, k)), False
                 try:
-                    with tf.control_dependencies(self.sync.begin_step()):
+                    with tf.control_dependencies([self.sync.begin_step()]):
                         return inner(*a, **k)
                 finally:
                     state.rows, state.scaled = None, False
@@ -488,11 +487,10 @@ class ParameterServer(distribute_lib.Strategy):
                 else list(optimizer._trainable_variables)
             )
             grads = [dedup(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
-            asks = stop.flags(tf.float32) if stop is not None else None
+            asks = stop.flags(tf.float32)
             if sync is None:  # async: each worker stops on its own requests, after its step
                 applied = original(grads, variables)
-                if stop is not None:
-                    stop.agree(asks)
+                stop.agree(asks)
                 return applied
             if not optimizer.built:
                 optimizer.build(variables)
@@ -510,9 +508,8 @@ class ParameterServer(distribute_lib.Strategy):
                 applied += [v.value.is_initialized() for _, v in pairs]
                 applied += [v.value.is_initialized() for v in optimizer.variables]
                 done = sync.publish(applied)
-            if stop is not None:  # the step's requests, the same on every worker
-                with tf.control_dependencies([done]):
-                    stop.agree(agreed)
+            with tf.control_dependencies([done]):  # the step's requests, alike on every worker
+                stop.agree(agreed)
             return done
 
         optimizer.apply = apply
