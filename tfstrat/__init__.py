@@ -36,6 +36,9 @@ _LAZY = {
     "ParameterServer": "tfstrat.strategies.parameter_server",
     "Hybrid": "tfstrat.strategies.hybrid",
     "LocalSGD": "tfstrat.strategies.localsgd",
+    "ModelParallel": "tfstrat.strategies.model_parallel",
+    "DeviceMesh": "tfstrat.mesh.layout",
+    "LayoutMap": "tfstrat.mesh.layout",
 }
 
 __all__ = [

@@ -5,6 +5,8 @@ What each is for:
   `input_util`, `distribute_lib`, `one_device_strategy`: the classes tfstrat's strategies
   extend (MultiWorkerMirroredStrategy's extended object, the collective launcher, the
   cross-device reduction, per-replica values, distributed input, the Strategy base).
+- `mirrored_strategy`: MirroredStrategy's extended object, which ModelParallel's creates each
+  device's part of a sharded variable through.
 - `context`: the eager context (is the runtime up; the coordination service's key-value store).
 - `random_seed`: the global seed Keras's array shuffling reads.
 - `gen_resource_variable_ops`, `handle_data_util`, `resource_variable_ops`: variables placed
@@ -18,6 +20,7 @@ from tensorflow.python.distribute import (  # noqa: F401
     cross_device_utils,
     distribute_lib,
     input_util,
+    mirrored_strategy,
     one_device_strategy,
     values,
 )

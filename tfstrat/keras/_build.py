@@ -43,6 +43,9 @@ def install() -> None:
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         strategy = self._distribute_strategy
+        prepare_model = getattr(strategy, "_tfstrat_prepare_model", None)
+        if prepare_model is not None:  # ModelParallel: the layers' calls on their parts
+            prepare_model(self)
         if strategy is not None and _is_tfstrat(strategy) and _all_built(self):
             # Nothing to build, so no batch to read. Keras would read one anyway, then drop
             # the iterator: deleting a MultiDeviceIterator whose background thread is still

@@ -50,6 +50,8 @@ def can_skip(model) -> bool:
     layers = flatten() if flatten else ()
     if any(getattr(layer, "synchronized", False) is True for layer in layers):
         return False
+    if any(getattr(layer, "_tfstrat_mesh_call", None) for layer in layers):
+        return False  # ModelParallel: the model group's collectives run in the forward pass
     return not holds_tables(model)
 
 

@@ -1,0 +1,379 @@
+"""How each layer computes with sharded variables: Megatron-LM's scheme, read off the layout.
+
+`prepare(model)` gives each layer that owns a sharded variable a call that runs on the parts
+(an instance attribute; the class is untouched), chosen by the layer and by which dimension the
+layout splits:
+
+- `Dense` and `EinsumDense` (and so `MultiHeadAttention`, built on it): a kernel split on an
+  output dimension is **column-parallel** (the whole input through `copy`; the output stays
+  split: a `MultiHeadAttention` projection split by heads computes its heads on their device);
+  a kernel split on a contracted dimension is **row-parallel** (the input split, or taken as it
+  arrives split from a column-parallel layer; the partial outputs summed by `reduce`, then the
+  bias). A bias follows its output dimension. An activation that is not elementwise (softmax)
+  sees the whole output.
+- `Embedding` (and `ReversibleEmbedding`'s lookup): a table split over rows is
+  **vocabulary-parallel** (each device looks up the ids in its rows, zeros elsewhere, summed by
+  `reduce`); `ReversibleEmbedding`'s tied logits are computed per part and gathered. A table
+  split over columns gives split rows, gathered.
+- Any other layer with a sharded variable (or a layer above with LoRA, quantization or an
+  overridden `call`) reads its variables **whole** for the call (`variables.whole_reads`): the
+  memory saving of its variables stays, its compute is not split, and a start-up line says so.
+
+A split activation is whole again wherever it is needed: a layer with weights whose input
+arrives split on the last axis (compared with the shape it was built for) gathers it first, and
+so does the model's output. Between a column-parallel layer and its row-parallel partner only
+elementwise operations may run (activations, dropout, products): Megatron-LM's rule.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import keras
+import tensorflow as tf
+
+from tfstrat.mesh import collectives
+from tfstrat.mesh.variables import ShardedVariable, is_sharded, whole_reads
+
+logger = logging.getLogger(__name__)
+
+_ELEMENTWISE = {
+    "linear", "relu", "relu6", "gelu", "silu", "swish", "tanh", "sigmoid", "elu", "selu",
+    "softplus", "softsign", "exponential", "leaky_relu", "hard_sigmoid", "hard_silu", "mish",
+}  # fmt: skip
+
+
+def _active(strategy) -> bool:
+    """Whether a step of `strategy` is being traced on this replica."""
+    if tf.distribute.in_cross_replica_context() or not tf.distribute.has_strategy():
+        return False
+    return tf.distribute.get_strategy() is strategy
+
+
+def own_variables(layer) -> list:
+    return list(getattr(layer, "_trainable_variables", [])) + list(
+        getattr(layer, "_non_trainable_variables", [])
+    )
+
+
+# --- reading variables and inputs as a computation needs them ---------------------------
+
+
+def _as(tensor, split_dim: int | None, now_split: int | None):
+    """`tensor` (split along `now_split`, or whole: None) made split along `split_dim` (None:
+    whole)."""
+    if now_split is not None and split_dim is not None and now_split == split_dim:
+        return tensor
+    if now_split is not None:
+        tensor = collectives.gather(tensor, now_split)
+    if split_dim is not None:
+        tensor = collectives.split(tensor, split_dim)
+    return tensor
+
+
+def _read(variable, split_dim: int | None = None):
+    """`variable`'s value on this device, split along `split_dim` or whole (None)."""
+    if is_sharded(variable):
+        return _as(variable.local(), split_dim, variable.sharding.dim)
+    return _as(tf.convert_to_tensor(variable), split_dim, None)
+
+
+def _split_axis(x, axis: int, whole: int) -> bool:
+    """Whether `x` arrives split over the model axis along `axis` (whole size `whole`)."""
+    parts = collectives.model_size()
+    size = x.shape[axis] if x.shape.rank else None
+    return parts > 1 and size is not None and size != whole and size * parts == whole
+
+
+def _whole_last(x, whole: int | None):
+    if whole is not None and isinstance(x, tf.Tensor) and _split_axis(x, -1, whole):
+        return collectives.gather(x, -1)
+    return x
+
+
+# --- Dense and EinsumDense ---------------------------------------------------------------
+
+
+def _letters(spec: str) -> tuple[list[str], bool]:
+    """A subscript's letters and whether it starts with "..." (its positions count from the end)."""
+    if spec.startswith("..."):
+        return list(spec[3:]), True
+    return list(spec), False
+
+
+def _position(spec: str, letter: str) -> int:
+    letters, from_end = _letters(spec)
+    index = letters.index(letter)
+    return index - len(letters) if from_end else index
+
+
+def _plan_einsum(equation: str, kernel) -> tuple[str | None, int | None, int | None]:
+    """("column", output axis, None) or ("row", None, input axis) for `kernel`'s split, or
+    (None, None, None): computed whole."""
+    if not is_sharded(kernel) or equation.count("...") > 2 or "->" not in equation:
+        return None, None, None
+    inputs, output = equation.split("->")
+    source, weights = inputs.split(",")
+    if "..." in weights or any("..." in s[3:] for s in (source, output)):
+        return None, None, None
+    letter = weights[kernel.sharding.dim]
+    in_source, in_output = letter in source, letter in output
+    if in_output and not in_source:
+        return "column", _position(output, letter), None
+    if in_source and not in_output:
+        return "row", None, _position(source, letter)
+    return None, None, None
+
+
+def _bias(bias, out_axis: int | None, out_rank: int):
+    """The bias, split along the output axis `out_axis` when it varies along it."""
+    if bias is None:
+        return None
+    if out_axis is None:
+        return _read(bias)
+    axis = out_axis % out_rank - (out_rank - len(bias.shape))
+    if axis < 0 or bias.shape[axis] == 1:
+        return _read(bias)
+    return _read(bias, axis)
+
+
+def _project(layer, inputs, equation: str, multiply, expected_last: int | None):
+    """`activation(multiply(x, kernel) + bias)` on the parts (see the module's docstring)."""
+    kernel, bias = layer._kernel, layer.bias
+    mode, out_axis, in_axis = _plan_einsum(equation, kernel)
+    x = tf.convert_to_tensor(inputs)
+    if mode == "row":
+        whole = kernel.sharding.shape[kernel.sharding.dim]
+        x = x if _split_axis(x, in_axis, whole) else collectives.split(x, in_axis)
+        y = collectives.reduce(multiply(x, _read(kernel, kernel.sharding.dim)))
+        out_axis = None
+    elif mode == "column":
+        x = collectives.copy(_whole_last(x, expected_last))
+        y = multiply(x, _read(kernel, kernel.sharding.dim))
+    else:
+        y = multiply(_whole_last(x, expected_last), _read(kernel))
+    b = _bias(bias, out_axis, y.shape.rank)
+    if b is not None:
+        y = y + tf.cast(b, y.dtype)
+    activation = layer.activation
+    if activation is not None:
+        name = getattr(activation, "__name__", "")
+        if out_axis is not None and name not in _ELEMENTWISE:
+            y, out_axis = collectives.gather(y, out_axis), None
+        y = activation(y)
+    return y
+
+
+def _dense_call(layer, inputs, training=None):
+    return _project(
+        layer,
+        inputs,
+        "...a,ab->...b",
+        lambda x, k: keras.ops.matmul(x, tf.cast(k, x.dtype)),
+        layer._kernel.shape[0],
+    )
+
+
+def _einsum_dense_call(layer, inputs, training=None):
+    equation = layer.equation
+    return _project(
+        layer,
+        inputs,
+        equation,
+        lambda x, k: keras.ops.einsum(equation, x, tf.cast(k, x.dtype)),
+        None,
+    )
+
+
+# --- Embedding ---------------------------------------------------------------------------
+
+
+def _lookup(layer, inputs):
+    table = layer._embeddings
+    ids = tf.convert_to_tensor(inputs)
+    if ids.dtype not in (tf.int32, tf.int64):
+        ids = tf.cast(ids, tf.int32)
+    sharding = table.sharding
+    if sharding.dim == 1:
+        rows = keras.ops.take(table.local(), ids, axis=0)
+        return tf.cast(collectives.gather(rows, -1), layer.compute_dtype)
+    replica = tf.get_static_value(tf.distribute.get_replica_context().replica_id_in_sync_group)
+    lo, hi = sharding.bounds(table._tfstrat_mesh.model_index(int(replica)))
+    inside = tf.logical_and(ids >= lo, ids < hi)
+    local = tf.where(inside, ids - tf.cast(lo, ids.dtype), tf.zeros_like(ids))
+    rows = keras.ops.take(table.local(), local, axis=0)
+    rows = rows * tf.cast(inside, rows.dtype)[..., None]
+    return tf.cast(collectives.reduce(rows), layer.compute_dtype)
+
+
+def _embedding_call(layer, inputs):
+    return _lookup(layer, inputs)
+
+
+def _reversible_call(layer, original):
+    def call(inputs, reverse=False):
+        if not reverse:
+            if layer.mask_zero:
+                return original(inputs, reverse=reverse)
+            return _lookup(layer, inputs)
+        table = layer._embeddings
+        if not layer.tie_weights or table.sharding.dim != 0 or layer.logit_soft_cap is not None:
+            return _whole_call(layer, original)(inputs, reverse=reverse)
+        x = collectives.copy(tf.convert_to_tensor(inputs))
+        if layer.reverse_dtype is not None:
+            x = tf.cast(x, layer.reverse_dtype)
+        kernel = tf.cast(tf.transpose(table.local()), x.dtype)
+        return collectives.gather(keras.ops.matmul(x, kernel), -1)
+
+    return call
+
+
+# --- every other layer -------------------------------------------------------------------
+
+
+def _whole_call(layer, original):
+    def call(*args, **kwargs):
+        wholes = {
+            id(v): collectives.gather(v.local(), v.sharding.dim)
+            for v in own_variables(layer)
+            if is_sharded(v)
+        }
+        with whole_reads(wholes):
+            return original(*args, **kwargs)
+
+    return call
+
+
+def _repairing_call(layer, original, expected_last: int):
+    def call(inputs, *args, **kwargs):
+        return original(_whole_last(inputs, expected_last), *args, **kwargs)
+
+    return call
+
+
+def _built_last(layer) -> int | None:
+    """The last dimension of the input `layer` was built for, when it has one input."""
+    shapes = getattr(layer, "_build_shapes_dict", None)
+    if not shapes or len(shapes) != 1:
+        return None
+    shape = next(iter(shapes.values()))
+    if not isinstance(shape, (tuple, list)) or not shape or not isinstance(shape[-1], int):
+        return None
+    return shape[-1]
+
+
+# --- installing ----------------------------------------------------------------------------
+
+
+def _plain(layer, base) -> bool:
+    """Whether `layer` computes as `base` does: its class keeps `base.call`, no LoRA, no
+    quantization."""
+    if getattr(layer, "lora_enabled", False) or getattr(layer, "quantization_mode", None):
+        return False
+    return type(layer).call is base.call
+
+
+def _choose(layer):
+    """(kind, the call on the parts) for a layer that owns a sharded variable."""
+    original = layer.call
+    sharded = [v for v in own_variables(layer) if is_sharded(v)]
+    names = {v.name for v in sharded}
+    if isinstance(layer, keras.layers.Dense) and _plain(layer, keras.layers.Dense):
+        if names <= {"kernel", "bias"}:
+            mode = _plan_einsum("...a,ab->...b", layer._kernel)[0]
+            return mode or "whole kernel", lambda inputs, training=None: _dense_call(layer, inputs)
+    if isinstance(layer, keras.layers.EinsumDense) and _plain(layer, keras.layers.EinsumDense):
+        if names <= {"kernel", "bias"}:
+            mode = _plan_einsum(layer.equation, layer._kernel)[0]
+            return mode or "whole kernel", lambda inputs, training=None: _einsum_dense_call(
+                layer, inputs
+            )
+    reversible = getattr(keras.layers, "ReversibleEmbedding", None)
+    if reversible is not None and isinstance(layer, reversible) and names == {"embeddings"}:
+        if not getattr(layer, "lora_enabled", False) and not layer.quantization_mode:
+            if type(layer).call is reversible.call or _keeps_call(layer, reversible):
+                kind = "vocabulary-parallel" if layer._embeddings.sharding.dim == 0 else "columns"
+                return kind, _reversible_call(layer, original)
+    if isinstance(layer, keras.layers.Embedding) and _plain(layer, keras.layers.Embedding):
+        if names == {"embeddings"} and not layer.mask_zero:
+            kind = "vocabulary-parallel" if layer._embeddings.sharding.dim == 0 else "columns"
+            return kind, lambda inputs: _embedding_call(layer, inputs)
+    return "whole", _whole_call(layer, original)
+
+
+def _keeps_call(layer, base) -> bool:
+    """Whether `layer`'s class overrides `call` only by inheriting `base`'s through a subclass
+    that adds nothing to it (keras-hub's ReversibleEmbedding subclasses Keras's)."""
+    for cls in type(layer).__mro__:
+        if cls is base:
+            return True
+        if "call" in vars(cls):
+            return False
+    return False
+
+
+def prepare(model, strategy) -> list[str]:
+    """Gives `model`'s layers their calls on the parts (once per layer); returns one line per
+    layer with a sharded variable."""
+    lines = []
+    layers = model._flatten_layers(include_self=True) if hasattr(model, "_flatten_layers") else []
+    for layer in layers:
+        if getattr(layer, "_tfstrat_mesh_call", None) is not None:
+            continue
+        own = own_variables(layer)
+        original = layer.call
+        if any(is_sharded(v) for v in own):
+            kind, call = _choose(layer)
+            lines.append(_line(layer, kind))
+            if kind in ("row", "column"):
+                layer.input_spec = None  # a row-parallel layer's input arrives split
+        elif own and _built_last(layer) is not None:
+            kind, call = "repair", _repairing_call(layer, original, _built_last(layer))
+        elif layer is model and getattr(model, "outputs", None):
+            kind, call = "outputs", _whole_outputs(model, original)
+        else:
+            continue
+        _install(layer, strategy, original, call)
+        layer._tfstrat_mesh_call = kind
+    return lines
+
+
+def _whole_outputs(model, original):
+    shapes = [tuple(o.shape) for o in keras.tree.flatten(model.outputs)]
+
+    def call(*args, **kwargs):
+        outputs = original(*args, **kwargs)
+        flat = keras.tree.flatten(outputs)
+        if len(flat) != len(shapes):
+            return outputs
+        mended = [_whole_last(o, s[-1] if s else None) for o, s in zip(flat, shapes)]
+        return keras.tree.pack_sequence_as(outputs, mended)
+
+    return call
+
+
+def _install(layer, strategy, original, call):
+    def dispatch(*args, **kwargs):
+        if _active(strategy):
+            return call(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    object.__setattr__(layer, "call", dispatch)
+
+
+def _line(layer, kind: str) -> str:
+    parts = ", ".join(
+        f"{v.name} {tuple(v.shape)} split on dimension {v.sharding.dim}"
+        for v in own_variables(layer)
+        if isinstance(v, ShardedVariable)
+    )
+    how = {
+        "column": "column-parallel (output split)",
+        "row": "row-parallel (partial outputs summed)",
+        "vocabulary-parallel": "vocabulary-parallel lookup",
+        "columns": "lookup of split columns, gathered",
+        "whole kernel": "kernel read whole for each call",
+        "whole": "variables read whole for each call: tfstrat does not split this layer's "
+        "computation (its variables' memory is still split)",
+    }[kind]
+    return f"{layer.name} ({type(layer).__name__}): {parts}: {how}"

@@ -1,0 +1,229 @@
+"""The mesh and the layouts: which device holds which part of which variable.
+
+`DeviceMesh` and `LayoutMap` are Keras's own `keras.distribution` classes (tfstrat's only
+change: a mesh's devices default to this process's devices as tfstrat counts them), so a layout
+written for Keras's JAX `ModelParallel`, keras-hub's `get_layout_map` helpers included, is read
+unchanged. `Mesh` is the strategy's view of one: the replicas in the mesh's order, each with its
+coordinate on the batch axis (which slice of the batch it reads) and on the model axis (which
+part of each sharded variable it holds). `Sharding` is one variable's plan: the dimension split
+over the model axis, if any.
+
+What a layout can say, and what tfstrat does with it:
+- a dimension on the model axis: split into equal parts, part m on the devices whose model
+  coordinate is m; each device holds only its part (and its optimizer slots' parts);
+- a dimension on the batch axis (keras-hub's layouts put the batch axis on weights, as
+  ZeRO/FSDP does): kept whole on every device of that axis, and a start-up line says so;
+- None: kept whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import keras
+import numpy as np
+
+from tfstrat.errors import UsageError
+
+logger = logging.getLogger(__name__)
+
+
+class DeviceMesh(keras.distribution.DeviceMesh):
+    """`keras.distribution.DeviceMesh` whose `devices` default to this process's devices:
+    every GPU, else every logical CPU device (`tfstrat.split_cpu(n)` first)."""
+
+    def __init__(self, shape, axis_names, devices=None):
+        if devices is None:
+            from tfstrat.cluster.devices import local_devices
+
+            devices = local_devices()
+            needed = int(np.prod(shape))
+            if len(devices) != needed:
+                raise UsageError(
+                    f"Received: DeviceMesh(shape={tuple(shape)}) over {len(devices)} local "
+                    f"device(s) {devices}: the mesh needs {needed}. Split the CPU with "
+                    f"tfstrat.split_cpu({needed}) before TensorFlow starts, or pass devices=[...]."
+                )
+        super().__init__(shape=tuple(shape), axis_names=list(axis_names), devices=devices)
+
+
+class LayoutMap(keras.distribution.LayoutMap):
+    """`keras.distribution.LayoutMap(device_mesh)`: a regex on variable paths (`re.fullmatch`)
+    to a layout tuple, e.g. `layout_map["dense.*kernel"] = (None, "model")`."""
+
+
+def _device_name(device) -> str:
+    """A mesh device as TensorFlow names it: Keras's TensorFlow backend lists "cpu:0"."""
+    name = str(device)
+    if name.startswith("/"):
+        return name
+    kind, _, index = name.rpartition(":")
+    return f"/device:{kind.upper()}:{index}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Mesh:
+    """A 1-D or 2-D device mesh: an optional batch axis and an optional model axis."""
+
+    devices: tuple[str, ...]  # replica order: the mesh's devices, row-major
+    shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    batch_axis: str | None
+    model_axis: str | None
+
+    @classmethod
+    def of(cls, device_mesh, batch_dim_name: str | None) -> Mesh:
+        shape = tuple(int(s) for s in device_mesh.shape)
+        names = tuple(device_mesh.axis_names)
+        if len(shape) != len(names) or len(set(names)) != len(names):
+            raise UsageError(f"Received: a mesh of shape {shape} with axis names {list(names)}.")
+        if batch_dim_name is None:
+            batch_dim_name = names[0]
+        if batch_dim_name not in names:
+            raise UsageError(
+                f"Received: batch_dim_name={batch_dim_name!r}, not an axis of the mesh "
+                f"{list(names)}. Name the axis the batch is split over."
+            )
+        others = [n for n in names if n != batch_dim_name]
+        if len(others) > 1:
+            raise UsageError(
+                f"Received: a mesh with axes {list(names)}. tfstrat.ModelParallel takes a batch "
+                f"axis ({batch_dim_name!r}) and at most one model axis; merge the others into one."
+            )
+        devices = tuple(_device_name(d) for d in np.asarray(device_mesh.devices).reshape(-1))
+        return cls(devices, shape, names, batch_dim_name, others[0] if others else None)
+
+    def size(self, axis: str | None) -> int:
+        return 1 if axis is None else self.shape[self.axis_names.index(axis)]
+
+    @property
+    def data_size(self) -> int:
+        return self.size(self.batch_axis)
+
+    @property
+    def model_size(self) -> int:
+        return self.size(self.model_axis)
+
+    def coordinate(self, replica: int, axis: str | None) -> int:
+        if axis is None:
+            return 0
+        return int(np.unravel_index(replica, self.shape)[self.axis_names.index(axis)])
+
+    def data_index(self, replica: int) -> int:
+        return self.coordinate(replica, self.batch_axis)
+
+    def model_index(self, replica: int) -> int:
+        return self.coordinate(replica, self.model_axis)
+
+    def model_group(self, replica: int) -> list[int]:
+        """The replicas that share `replica`'s batch slice, by model coordinate."""
+        d = self.data_index(replica)
+        group = [r for r in range(len(self.devices)) if self.data_index(r) == d]
+        return sorted(group, key=self.model_index)
+
+    def data_group(self, replica: int) -> list[int]:
+        """The replicas that hold the same parts as `replica`, by batch coordinate."""
+        m = self.model_index(replica)
+        group = [r for r in range(len(self.devices)) if self.model_index(r) == m]
+        return sorted(group, key=self.data_index)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharding:
+    """A variable's plan: `dim` split over the model axis into `parts` equal parts."""
+
+    path: str
+    shape: tuple[int, ...]
+    dim: int
+    parts: int
+    rule: str  # the layout map's key that matched
+
+    def local_shape(self) -> tuple[int, ...]:
+        shape = list(self.shape)
+        shape[self.dim] //= self.parts
+        return tuple(shape)
+
+    def bounds(self, part: int) -> tuple[int, int]:
+        size = self.shape[self.dim] // self.parts
+        return part * size, (part + 1) * size
+
+    def take(self, full, part: int):
+        """Part `part` of the whole value `full` (an array or tensor)."""
+        lo, hi = self.bounds(part)
+        index = [slice(None)] * len(self.shape)
+        index[self.dim] = slice(lo, hi)
+        return full[tuple(index)]
+
+
+def _axes(layout) -> tuple:
+    """A layout's axis names per dimension: a `TensorLayout`, or a tuple as written."""
+    axes = getattr(layout, "axes", layout)
+    return tuple(axes)
+
+
+def _matching_rules(layout_map, path: str) -> list[str]:
+    import re
+
+    return [key for key in layout_map.keys() if re.fullmatch(key, path)]
+
+
+def plan(layout_map, mesh: Mesh, path: str, shape) -> tuple[Sharding | None, str | None]:
+    """The plan for the variable at `path` of `shape`, and a line for the start-up log (None:
+    nothing to say). Raises `UsageError` for a layout that cannot apply."""
+    rules = _matching_rules(layout_map, path)
+    if not rules:
+        return None, None
+    if len(rules) > 1:
+        raise UsageError(
+            f"Variable {path!r} matches {len(rules)} layout rules {rules}. Make the rules' "
+            "regular expressions exclusive (LayoutMap keys match with re.fullmatch)."
+        )
+    rule = rules[0]
+    axes = _axes(layout_map[rule])
+    shape = tuple(int(s) for s in shape)
+    if len(axes) != len(shape):
+        raise UsageError(
+            f"Layout rule {rule!r} gives {path!r} (shape {shape}) the layout {axes}: "
+            f"{len(axes)} entries for {len(shape)} dimensions. Give one entry per dimension."
+        )
+    for axis in axes:
+        if axis is not None and axis not in mesh.axis_names:
+            raise UsageError(
+                f"Layout rule {rule!r} names the axis {axis!r}, which the mesh does not have "
+                f"(its axes: {list(mesh.axis_names)}). Use one of those, or None."
+            )
+    model_dims = [k for k, a in enumerate(axes) if a is not None and a == mesh.model_axis]
+    notes = []
+    if any(a is not None and a == mesh.batch_axis for a in axes):
+        notes.append(
+            f"its layout {axes} puts the batch axis {mesh.batch_axis!r} on a dimension: kept "
+            "whole over that axis (tfstrat shards variables over the model axis only)"
+        )
+    if len(model_dims) > 1:
+        raise UsageError(
+            f"Layout rule {rule!r} splits {len(model_dims)} dimensions of {path!r} over the model "
+            f"axis {mesh.model_axis!r}: {axes}. Split one dimension."
+        )
+    if not model_dims or mesh.model_size == 1:
+        note = "; ".join(notes) if notes else None
+        return None, (f"{path}: replicated ({note})" if note else None)
+    dim, parts = model_dims[0], mesh.model_size
+    if shape[dim] % parts:
+        raise UsageError(
+            f"Variable {path!r} has shape {shape}: its dimension {dim} ({shape[dim]}) does not "
+            f"divide by the model axis {mesh.model_axis!r} ({parts} devices). Change the layer's "
+            "size or the mesh, or leave that dimension unsharded (None)."
+        )
+    sharding = Sharding(path, shape, dim, parts, rule)
+    line = f"{path} {shape}: dimension {dim} split over {mesh.model_axis!r} in {parts} parts"
+    if notes:
+        line += f" ({'; '.join(notes)})"
+    return sharding, line
+
+
+def unused_rules(layout_map, paths) -> list[str]:
+    """The layout map's rules that match none of `paths`."""
+    import re
+
+    return [key for key in layout_map.keys() if not any(re.fullmatch(key, p) for p in paths)]

@@ -1,0 +1,255 @@
+"""`ModelParallel`: tensor parallelism for Keras 3 on TensorFlow (Mesh-TensorFlow's idea).
+
+Every device of a 2-D mesh (batch x model) is one replica of TensorFlow's mirrored strategy,
+running the same step on its own parts (SPMD):
+
+- **variables** (`tfstrat.mesh.variables`): a layout rule that puts the model axis on a
+  dimension splits that variable, and its optimizer slots, into parts; each device holds only
+  its part. Every other variable is whole on every device.
+- **input**: each batch is cut into one slice per coordinate of the batch axis; the devices of
+  one model group read the same slice.
+- **the forward and backward passes** (`tfstrat.mesh.layers`): Megatron-LM's column- and
+  row-parallel Dense and EinsumDense (attention by heads), vocabulary-parallel Embedding,
+  with the model group's collectives (`tfstrat.mesh.collectives`).
+- **the step's exchange**: the gradients (each device's of its parts), the rows and the metric
+  states are summed over the batch axis only (`DataAxisReduce`), weighted by rows as in every
+  tfstrat strategy (`_exact_step`), so a step equals one device's on the same global batch.
+  Clipping by norm takes the norm over all parts.
+
+TensorFlow internals it depends on (`tfstrat._compat.tf`): `MirroredExtended`'s variable
+creation (`_create_variable`, `_get_variable_creator_initial_value`) to create each device's
+part, `PerReplica`/`Mirrored` values to hand each replica its own result from `merge_call`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import tensorflow as tf
+
+from tfstrat._compat import patches
+from tfstrat._compat.tf import mirrored_strategy
+from tfstrat.errors import UsageError
+from tfstrat.keras import _shuffle
+from tfstrat.strategies import _common
+
+logger = logging.getLogger(__name__)
+
+
+class _Extended(mirrored_strategy.MirroredExtended):
+    """Creates sharded variables as one part per device (see `tfstrat.mesh.variables`)."""
+
+    _tfstrat_planned = None  # the sharding of the variable being created
+    _tfstrat_whole = None  # its whole initial value, drawn once
+
+    def _create_variable(self, next_creator, **kwargs):
+        colocate_with = kwargs.get("colocate_with")
+        if colocate_with is not None:  # an optimizer slot: split as its variable
+            sharding = getattr(colocate_with, "_tfstrat_sharding", None)
+        else:
+            sharding, self._tfstrat_planned = self._tfstrat_planned, None
+        if sharding is None:
+            return super()._create_variable(next_creator, **kwargs)
+        previous, self._tfstrat_planned = self._tfstrat_planned, sharding
+        try:
+            variable = super()._create_variable(next_creator, **kwargs)
+        finally:
+            self._tfstrat_planned, self._tfstrat_whole = previous, None
+        variable._tfstrat_sharding = sharding
+        return variable
+
+    def _get_variable_creator_initial_value(self, replica_id, device, primary_var, **kwargs):
+        sharding = self._tfstrat_planned
+        if sharding is None:
+            return super()._get_variable_creator_initial_value(
+                replica_id, device, primary_var, **kwargs
+            )
+        if replica_id == 0:
+            initial = kwargs["initial_value"]
+            with tf.init_scope():
+                whole = initial() if callable(initial) else initial
+                self._tfstrat_whole = tf.convert_to_tensor(whole)
+        whole, part = self._tfstrat_whole, self._tfstrat_mesh.model_index(replica_id)
+        if tuple(whole.shape) != sharding.shape:
+            raise UsageError(
+                f"Variable {sharding.path!r}: its initial value has shape {tuple(whole.shape)}, "
+                f"its layout was planned for {sharding.shape}."
+            )
+        return lambda: tf.identity(sharding.take(whole, part))
+
+    def _get_cross_device_ops(self, value):
+        return self._cross_device_ops  # int32 values too: every sum is over the batch axis
+
+
+def _plan_keras_variables() -> None:
+    """Keras variables created under a ModelParallel scope are planned by their path."""
+    import keras
+
+    if patches.is_patched(keras.Variable, "_initialize"):
+        return
+    keras_initialize = patches.original(keras.Variable, "_initialize")
+
+    def _initialize(self, value):
+        strategy = tf.distribute.get_strategy()
+        plan = getattr(strategy, "_tfstrat_plan", None)
+        if plan is None:
+            return keras_initialize(self, value)
+        plan(self)
+        try:
+            keras_initialize(self, value)
+        finally:
+            strategy.extended._tfstrat_planned = None
+        if getattr(self._value, "_tfstrat_sharding", None) is not None:
+            from tfstrat.mesh.variables import adopt
+
+            adopt(self, strategy.extended._tfstrat_mesh)
+
+    patches.patch(
+        keras.Variable,
+        "_initialize",
+        _initialize,
+        "under tfstrat.ModelParallel, a variable its layout map splits is created as one part "
+        "per device",
+    )
+
+
+class ModelParallel(_common.AdoptsKerasOptimizers, tf.distribute.MirroredStrategy):
+    """Tensor-parallel (and data-parallel) training over a device mesh of this process.
+
+    Args:
+        layout_map: a `tfstrat.LayoutMap` or `keras.distribution.LayoutMap` (its `device_mesh`
+            is the mesh): regular expressions on variable paths to layouts, e.g.
+            `layout_map["dense.*kernel"] = (None, "model")`.
+        batch_dim_name: the mesh axis the batch is split over (default: the mesh's first).
+        device_mesh: the mesh, when `layout_map` is None (no variable split: data parallel).
+
+    Example:
+        >>> import tfstrat, keras  # doctest: +SKIP
+        >>> tfstrat.split_cpu(4)  # doctest: +SKIP
+        >>> mesh = tfstrat.DeviceMesh((2, 2), ["batch", "model"])  # doctest: +SKIP
+        >>> layout = tfstrat.LayoutMap(mesh)  # doctest: +SKIP
+        >>> layout["dense/kernel"] = (None, "model")  # column-parallel  # doctest: +SKIP
+        >>> layout["dense_1/kernel"] = ("model", None)  # row-parallel  # doctest: +SKIP
+        >>> strategy = tfstrat.ModelParallel(layout_map=layout, batch_dim_name="batch")  # doctest: +SKIP
+    """
+
+    def __init__(self, *, layout_map=None, batch_dim_name: str | None = None, device_mesh=None):
+        from tfstrat.mesh.collectives import DataAxisReduce
+        from tfstrat.mesh.layout import Mesh
+
+        if layout_map is None and device_mesh is None:
+            raise UsageError(
+                "Received: ModelParallel() with neither layout_map nor device_mesh. Pass "
+                "layout_map=tfstrat.LayoutMap(tfstrat.DeviceMesh(shape, axis_names))."
+            )
+        mesh_of = getattr(layout_map, "device_mesh", None) if layout_map is not None else None
+        device_mesh = device_mesh if device_mesh is not None else mesh_of
+        if device_mesh is None:
+            raise UsageError(
+                "Received: a layout_map without a device_mesh. Create it as "
+                "tfstrat.LayoutMap(tfstrat.DeviceMesh(shape, axis_names))."
+            )
+        mesh = Mesh.of(device_mesh, batch_dim_name)
+        _shuffle.seed_shuffles(set_global_seed=False)
+        super().__init__(devices=list(mesh.devices), cross_device_ops=DataAxisReduce(mesh))
+        self.extended.__class__ = _Extended
+        self.extended._tfstrat_mesh = mesh
+        self.mesh = mesh
+        self.layout_map = layout_map if layout_map is not None else {}
+        self.planned: dict[str, str | None] = {}  # variable path -> its start-up line
+        self._reported: set[int] = set()
+        _plan_keras_variables()
+        logger.info(
+            "tfstrat: ModelParallel over a mesh %s (%s) of %s; batch axis %r, model axis %r",
+            mesh.shape,
+            ", ".join(mesh.axis_names),
+            list(mesh.devices),
+            mesh.batch_axis,
+            mesh.model_axis,
+        )
+
+    # -- variables ------------------------------------------------------------------------
+
+    def _tfstrat_plan(self, variable) -> None:
+        """Plans the Keras `variable` being created (`_plan_keras_variables`)."""
+        from tfstrat.mesh.layout import plan
+
+        sharding, line = plan(self.layout_map, self.mesh, variable.path, variable._shape)
+        self.planned[variable.path] = line
+        self.extended._tfstrat_planned = sharding
+
+    # -- steps ----------------------------------------------------------------------------
+
+    def run(self, fn, args=(), kwargs=None, options=None):
+        from tfstrat.strategies import _compute
+
+        model = getattr(fn, "__self__", None)
+        model = _compute.keras_predict_model(fn) or model
+        if model is not None and hasattr(model, "_flatten_layers"):
+            self._tfstrat_prepare_model(model)
+        return super().run(fn, args=args, kwargs=kwargs, options=options)
+
+    def _tfstrat_prepare_model(self, model) -> None:
+        from tfstrat.mesh import layers
+        from tfstrat.mesh.layout import unused_rules
+
+        lines = layers.prepare(model, self)
+        if id(model) in self._reported:
+            return
+        self._reported.add(id(model))
+        for line in lines:
+            logger.info("tfstrat: %s", line)
+        for path, line in self.planned.items():
+            if line is not None and "replicated" in line:
+                logger.info("tfstrat: %s", line)
+        if hasattr(self.layout_map, "keys"):
+            for rule in unused_rules(self.layout_map, list(self.planned)):
+                logger.warning(
+                    "tfstrat: layout rule %r matches no variable created under this strategy "
+                    "(paths look like %r): check the regular expression.",
+                    rule,
+                    next(iter(self.planned), "dense/kernel"),
+                )
+
+    # -- input ----------------------------------------------------------------------------
+
+    def experimental_distribute_dataset(self, dataset, options=None):
+        _common.check_not_empty(dataset)
+        mesh = self.mesh
+        if mesh.model_size == 1:
+            return _common.name_empty_input(
+                super().experimental_distribute_dataset(dataset, options)
+            )
+        replicas = len(mesh.devices)
+        data_of = tf.constant([mesh.data_index(r) for r in range(replicas)], tf.int64)
+        slices = mesh.data_size
+
+        def expand(*element):
+            structure = element if len(element) > 1 else element[0]
+            first = next(t for t in tf.nest.flatten(structure) if t.shape.rank)
+            rows = tf.cast(tf.shape(first)[0], tf.int64)
+
+            def slice_of(replica):
+                d = tf.gather(data_of, replica)
+                lo, hi = rows * d // slices, rows * (d + 1) // slices
+                return tf.nest.map_structure(
+                    lambda t: t[lo:hi] if t.shape.rank else t, structure
+                )
+
+            return tf.data.Dataset.range(replicas).map(slice_of)
+
+        expanded = dataset.flat_map(expand)
+        return _common.name_empty_input(
+            self.distribute_datasets_from_function(lambda _: expanded, options)
+        )
+
+    def experimental_local_results(self, value):
+        """One result per slice of the batch (the model group's devices computed the same
+        outputs): what Keras concatenates for `predict`."""
+        results = super().experimental_local_results(value)
+        if self.mesh.model_size == 1 or not isinstance(value, tf.distribute.DistributedValues):
+            return results
+        if isinstance(value, tf.Variable) or len(results) != len(self.mesh.devices):
+            return results
+        firsts = [r for r in range(len(results)) if self.mesh.model_index(r) == 0]
+        return tuple(results[r] for r in sorted(firsts, key=self.mesh.data_index))
