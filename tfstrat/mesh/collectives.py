@@ -65,8 +65,14 @@ def _concat(x, axis: int):
     return _over_model_group(x, lambda _, parts: tf.concat(parts, axis))
 
 
+def replica() -> int:
+    """This replica's number in the mesh (known while its step is traced)."""
+    context = tf.distribute.get_replica_context()
+    return int(tf.get_static_value(context.replica_id_in_sync_group))
+
+
 def _part(x, axis: int, parts: int):
-    index = _mesh().model_index(tf.distribute.get_replica_context().replica_id_in_sync_group)
+    index = _mesh().model_index(replica())
     size = x.shape[axis] // parts
     begin = [0] * x.shape.rank
     begin[axis] = index * size

@@ -197,8 +197,7 @@ def _lookup(layer, inputs):
     if sharding.dim == 1:
         rows = keras.ops.take(table.local(), ids, axis=0)
         return tf.cast(collectives.gather(rows, -1), layer.compute_dtype)
-    replica = tf.get_static_value(tf.distribute.get_replica_context().replica_id_in_sync_group)
-    lo, hi = sharding.bounds(table._tfstrat_mesh.model_index(int(replica)))
+    lo, hi = sharding.bounds(table._tfstrat_mesh.model_index(collectives.replica()))
     inside = tf.logical_and(ids >= lo, ids < hi)
     local = tf.where(inside, ids - tf.cast(lo, ids.dtype), tf.zeros_like(ids))
     rows = keras.ops.take(table.local(), local, axis=0)
@@ -353,10 +352,16 @@ def _whole_outputs(model, original):
 
 
 def _install(layer, strategy, original, call):
+    sharded = [v for v in own_variables(layer) if is_sharded(v)]
+
     def dispatch(*args, **kwargs):
         if _active(strategy):
             return call(*args, **kwargs)
-        return original(*args, **kwargs)
+        if not sharded:
+            return original(*args, **kwargs)
+        # Outside a step (Keras's symbolic build, a call of the model by hand): whole values.
+        with whole_reads({id(v): v.whole() for v in sharded}):
+            return original(*args, **kwargs)
 
     object.__setattr__(layer, "call", dispatch)
 

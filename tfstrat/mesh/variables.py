@@ -40,7 +40,7 @@ class ShardedVariable(keras.Variable):
 
     @property
     def value(self):
-        whole = getattr(_reads, "whole", {}).get(id(self))
+        whole = (getattr(_reads, "whole", None) or {}).get(id(self))
         if whole is not None:
             return whole
         return super().value
@@ -55,6 +55,10 @@ class ShardedVariable(keras.Variable):
         components = self._value.values
         firsts = [r for r in range(len(mesh.devices)) if mesh.data_index(r) == 0]
         return [components[r] for r in sorted(firsts, key=mesh.model_index)]
+
+    def whole(self):
+        """The whole value as a tensor, outside a step (the parts concatenated)."""
+        return tf.concat([tf.convert_to_tensor(p) for p in self._parts()], self.sharding.dim)
 
     def numpy(self):
         return np.concatenate([p.numpy() for p in self._parts()], axis=self.sharding.dim)
