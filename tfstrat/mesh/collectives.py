@@ -61,6 +61,11 @@ def _sum(x):
     return _over_model_group(x, lambda _, parts: tf.add_n([tf.identity(p) for p in parts]))
 
 
+def model_sum(x):
+    """The sum of `x` over the model group (no gradient: for the norms of a step's parts)."""
+    return _sum(x)
+
+
 def _concat(x, axis: int):
     return _over_model_group(x, lambda _, parts: tf.concat(parts, axis))
 

@@ -381,4 +381,6 @@ def _line(layer, kind: str) -> str:
         "whole": "variables read whole for each call: tfstrat does not split this layer's "
         "computation (its variables' memory is still split)",
     }[kind]
-    return f"{layer.name} ({type(layer).__name__}): {parts}: {how}"
+    own = own_variables(layer)
+    where = own[0].path.rsplit("/", 1)[0] if own else layer.name
+    return f"{where} ({type(layer).__name__}): {parts}: {how}"

@@ -54,17 +54,21 @@ def _square_norm(g):
     return tf.reduce_sum(tf.square(tf.cast(values, tf.float32)))
 
 
-def clip_aggregated(optimizer, grads):
-    """Applies `optimizer`'s clipnorm / global_clipnorm / clipvalue to all-reduced `grads`."""
+def clip_aggregated(optimizer, grads, square_norms=None):
+    """Applies `optimizer`'s clipnorm / global_clipnorm / clipvalue to all-reduced `grads`;
+    `square_norms(grads)` gives each gradient's squared norm (None: computed here; a strategy
+    whose devices hold parts of a variable sums the parts' over them)."""
+    if square_norms is None:
+        square_norms = lambda gs: [None if g is None else _square_norm(g) for g in gs]  # noqa: E731
     if optimizer.clipnorm and optimizer.clipnorm > 0:
         c = optimizer.clipnorm
         return [
-            g if g is None else sparse.scale(g, c / tf.maximum(tf.sqrt(_square_norm(g)), c))
-            for g in grads
+            g if g is None else sparse.scale(g, c / tf.maximum(tf.sqrt(n), c))
+            for g, n in zip(grads, square_norms(grads))
         ]
     if optimizer.global_clipnorm and optimizer.global_clipnorm > 0:
         c = optimizer.global_clipnorm
-        norm = tf.sqrt(tf.add_n([_square_norm(g) for g in grads if g is not None]))
+        norm = tf.sqrt(tf.add_n([n for n in square_norms(grads) if n is not None]))
         scale = c / tf.maximum(norm, c) + (norm - norm)  # NaN/inf norm -> NaN, as Keras does
         return [g if g is None else sparse.scale(g, scale) for g in grads]
     if optimizer.clipvalue and optimizer.clipvalue > 0:
@@ -79,12 +83,15 @@ def clip_aggregated(optimizer, grads):
     return grads
 
 
-def _take_over_clipping(optimizer, stop, replicas):
+def _take_over_clipping(optimizer, stop, replicas, square_norms=None):
     reduce_sum = _exact_step.step_reduce(optimizer._all_reduce_sum_gradients, stop, replicas)
 
     def reduce_then_clip(grads_and_vars):
         pairs = list(reduce_sum(grads_and_vars))
-        grads = clip_aggregated(optimizer, [g for g, _ in pairs])
+        norms = None
+        if square_norms is not None:
+            norms = lambda grads: square_norms(grads, [v for _, v in pairs])  # noqa: E731
+        grads = clip_aggregated(optimizer, [g for g, _ in pairs], norms)
         return [(g, v) for g, (_, v) in zip(grads, pairs, strict=True)]
 
     optimizer._clip_gradients = lambda grads: grads
@@ -117,7 +124,8 @@ class AdoptsKerasOptimizers:
         stop = getattr(self, "_stop", None)  # multi-worker strategies stop together
         inner = getattr(optimizer, "inner_optimizer", optimizer)  # LossScaleOptimizer's
         if isinstance(inner, Optimizer) and not getattr(inner, "_tfstrat_clipping", False):
-            _take_over_clipping(inner, stop, self.num_replicas_in_sync)
+            square_norms = getattr(self, "_tfstrat_square_norms", None)
+            _take_over_clipping(inner, stop, self.num_replicas_in_sync, square_norms)
         if getattr(fn, "__name__", "") == "train_step" and hasattr(model, "metrics"):
             if stop is not None:
                 stop.attach(model)

@@ -199,7 +199,7 @@ class ModelParallel(_common.AdoptsKerasOptimizers, tf.distribute.MirroredStrateg
         self._reported.add(id(model))
         for line in lines:
             logger.info("tfstrat: %s", line)
-        for path, line in self.planned.items():
+        for line in self.planned.values():
             if line is not None and "replicated" in line:
                 logger.info("tfstrat: %s", line)
         if hasattr(self.layout_map, "keys"):
@@ -210,6 +210,25 @@ class ModelParallel(_common.AdoptsKerasOptimizers, tf.distribute.MirroredStrateg
                     rule,
                     next(iter(self.planned), "dense/kernel"),
                 )
+
+    def _tfstrat_square_norms(self, grads, variables) -> list:
+        """Each gradient's squared norm for clipping: a split variable's is its parts' sum."""
+        from tfstrat.mesh import collectives
+
+        norms, split = [], []
+        for i, (g, v) in enumerate(zip(grads, variables, strict=True)):
+            if g is None:
+                norms.append(None)
+                continue
+            dense = tf.convert_to_tensor(g)  # row gradients: repeats summed, as one device's
+            norms.append(tf.reduce_sum(tf.square(tf.cast(dense, tf.float32))))
+            if getattr(v, "_tfstrat_sharding", None) is not None:
+                split.append(i)
+        if split and self.mesh.model_size > 1:
+            summed = collectives.model_sum(tf.stack([norms[i] for i in split]))
+            for k, i in enumerate(split):
+                norms[i] = summed[k]
+        return norms
 
     # -- input ----------------------------------------------------------------------------
 
@@ -232,9 +251,7 @@ class ModelParallel(_common.AdoptsKerasOptimizers, tf.distribute.MirroredStrateg
             def slice_of(replica):
                 d = tf.gather(data_of, replica)
                 lo, hi = rows * d // slices, rows * (d + 1) // slices
-                return tf.nest.map_structure(
-                    lambda t: t[lo:hi] if t.shape.rank else t, structure
-                )
+                return tf.nest.map_structure(lambda t: t[lo:hi] if t.shape.rank else t, structure)
 
             return tf.data.Dataset.range(replicas).map(slice_of)
 
