@@ -328,6 +328,7 @@ def prepare(model, strategy) -> list[str]:
                 layer.input_spec = None  # a row-parallel layer's input arrives split
         elif own and _built_last(layer) is not None:
             kind, call = "repair", _repairing_call(layer, original, _built_last(layer))
+            layer.input_spec = None  # its input may arrive split: whole again in its call
         elif layer is model and getattr(model, "outputs", None):
             kind, call = "outputs", _whole_outputs(model, original)
         else:

@@ -169,8 +169,9 @@ def _matching_rules(layout_map, path: str) -> list[str]:
 
 
 def plan(layout_map, mesh: Mesh, path: str, shape) -> tuple[Sharding | None, str | None]:
-    """The plan for the variable at `path` of `shape`, and a line for the start-up log (None:
-    nothing to say). Raises `UsageError` for a layout that cannot apply."""
+    """The plan for the variable at `path` of `shape`, and a line for the start-up log when its
+    layout names the batch axis (None: nothing to say beyond its layer's line). Raises
+    `UsageError` for a layout that cannot apply."""
     rules = _matching_rules(layout_map, path)
     if not rules:
         return None, None
@@ -216,9 +217,9 @@ def plan(layout_map, mesh: Mesh, path: str, shape) -> tuple[Sharding | None, str
             "size or the mesh, or leave that dimension unsharded (None)."
         )
     sharding = Sharding(path, shape, dim, parts, rule)
-    line = f"{path} {shape}: dimension {dim} split over {mesh.model_axis!r} in {parts} parts"
+    line = None
     if notes:
-        line += f" ({'; '.join(notes)})"
+        line = f"{path}: dimension {dim} split over {mesh.model_axis!r}; {'; '.join(notes)}"
     return sharding, line
 
 

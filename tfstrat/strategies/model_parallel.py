@@ -200,7 +200,7 @@ class ModelParallel(_common.AdoptsKerasOptimizers, tf.distribute.MirroredStrateg
         for line in lines:
             logger.info("tfstrat: %s", line)
         for line in self.planned.values():
-            if line is not None and "replicated" in line:
+            if line is not None:
                 logger.info("tfstrat: %s", line)
         if hasattr(self.layout_map, "keys"):
             for rule in unused_rules(self.layout_map, list(self.planned)):

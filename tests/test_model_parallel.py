@@ -1,0 +1,137 @@
+"""ModelParallel against single-device training, on logical CPU devices.
+
+Each case runs in a fresh interpreter (the CPU is split before TensorFlow's runtime starts):
+`workers/model_parallel_equiv.py` trains a model on one device and under ModelParallel on each
+mesh, from the same weights on the same global batches. The default run covers every mesh with
+the MLP and one mesh each of the Transformer block and keras-hub's Llama; `-m matrix` runs
+every model on every mesh with both optimizers.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from paths import WORKERS
+
+TOLERANCE = 1e-5
+MESHES = "1x2,2x1,2x2"
+
+
+def _run(tmp_path, *args, timeout=420):
+    out = tmp_path / "result.json"
+    proc = subprocess.run(
+        [sys.executable, "model_parallel_equiv.py", *args[:3], str(out), *args[3:]],
+        cwd=WORKERS,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stderr
+
+
+def _check(result, meshes, optimizers, steps):
+    cases = result["cases"]
+    assert [(c["mesh"], c["optimizer"]) for c in cases] == [
+        (m, o) for o in optimizers.split(",") for m in meshes.split(",")
+    ]
+    for case in cases:
+        name = (case["mesh"], case["optimizer"])
+        assert case["initial"] == 0.0, name  # the same draw as on one device
+        assert case["weights"] <= TOLERANCE, (name, case["weights"])
+        assert case["slots"] <= TOLERANCE, (name, case["slots"])
+        assert case["iterations"] == steps, name
+        assert case["predict"] <= TOLERANCE, (name, case["predict"])
+        assert case["evaluate"] <= TOLERANCE, (name, case["evaluate"])
+        model_axis = int(case["mesh"].split("x")[1])
+        if model_axis == 1:
+            assert case["held"] == [], name  # nothing to split
+            continue
+        assert case["held"], name
+        for path, whole, parts in case["held"]:
+            # Every device holds 1/model-axis of each split variable and slot.
+            assert len(parts) == 2 * int(case["mesh"].split("x")[0]), (name, path)
+            assert {size for _, size in parts} == {whole // model_axis}, (name, path, parts)
+            assert len({device for device, _ in parts}) == len(parts), (name, path, parts)
+        slots = [p for p, *_ in case["held"] if p.split("/")[0].startswith(("sgd", "adam"))]
+        assert slots, (name, "the optimizer's slots are split too")
+
+
+@pytest.mark.timeout(600)
+def test_mlp_on_every_mesh_with_checkpoints(tmp_path):
+    """Column- then row-parallel Dense: meshes (1, 2), (2, 1), (2, 2); SGD with momentum and
+    Adam with global_clipnorm (the norm over all parts); model.save loads into plain Keras and
+    back, and BackupAndRestore resumes exactly."""
+    result, err = _run(tmp_path, "mlp", MESHES, "sgd,adam-clip", "--checkpoints")
+    _check(result, MESHES, "sgd,adam-clip", steps=12)
+    for key in ("saved_to_plain", "saved_slots_to_plain", "plain_to_sharded"):
+        assert result[key] == 0.0, key
+    assert result["plain_to_sharded_slots"] == 0.0
+    assert result["loaded_held"], "a plain Keras file loads into split variables"
+    assert result["resumed"] == 0.0 and result["resumed_slots"] == 0.0
+    assert "up (Dense): kernel (12, 16) split on dimension 1, bias (16,) split" in err
+    assert "column-parallel" in err and "down (Dense): kernel (16, 12) split on dimension 0" in err
+
+
+@pytest.mark.timeout(600)
+def test_transformer_block_on_a_2x2_mesh(tmp_path):
+    """Vocabulary-parallel Embedding, MultiHeadAttention split by heads, an MLP, a
+    column-parallel logits layer, LayerNormalization whole; Adam."""
+    result, err = _run(tmp_path, "transformer", "2x2", "adam")
+    _check(result, "2x2", "adam", steps=8)
+    assert "attention/query (EinsumDense)" in err and "vocabulary-parallel lookup" in err
+
+
+@pytest.mark.timeout(600)
+def test_keras_hub_llama_with_its_own_layout_map(tmp_path):
+    """keras-hub's LlamaBackbone.get_layout_map, unchanged: its batch-axis entries keep those
+    dimensions whole, its model-axis ones split."""
+    result, err = _run(tmp_path, "llama", "2x2", "adam")
+    _check(result, "2x2", "adam", steps=8)
+    assert "kept whole over that axis" in err
+    assert "feedforward_gate_dense (Dense)" in err and "row-parallel" in err
+
+
+@pytest.mark.matrix
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("model", ["transformer", "llama"])
+def test_every_mesh_and_optimizer(model, tmp_path):
+    result, _ = _run(tmp_path, model, MESHES, "sgd,adam", timeout=840)
+    _check(result, MESHES, "sgd,adam", steps=8)
+
+
+@pytest.mark.timeout(300)
+def test_layouts_it_cannot_apply_are_named_before_the_first_step(tmp_path):
+    out = tmp_path / "layouts.json"
+    proc = subprocess.run(
+        [sys.executable, "model_parallel_layouts.py", str(out)],
+        cwd=WORKERS,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert (
+        r["five"][0] == "UsageError"
+        and "(4, 5): its dimension 1 (5) does not divide" in r["five"][1]
+    )
+    assert "'tensor'" in r["unknown_axis"][1]
+    assert "matches 2 layout rules" in r["two_rules"][1]
+    assert "1 entries for 2 dimensions" in r["wrong_rank"][1]
+    assert "splits 2 dimensions" in r["two_dims_on_model"][1]
+    assert "batch_dim_name='data'" in r["unknown_batch_axis"][1]
+    assert "at most one model axis" in r["three_axes"][1]
+    assert r["matches_nothing"] is None  # a warning, and training goes on
+    assert (
+        len(r["matches_nothing_lines"]) == 1
+        and "'dense_99/kernel'" in r["matches_nothing_lines"][0]
+    )
+    # A layer tfstrat does not split computes on its whole kernel, named, equal to one device.
+    assert (
+        len(r["whole_line"]) == 1
+        and "does not split this layer's computation" in r["whole_line"][0]
+    )
+    assert r["whole_parts"] == [[3, 3, 2], [3, 3, 2]]
+    assert r["whole_diff"] <= TOLERANCE

@@ -1,0 +1,230 @@
+"""ModelParallel against single-device training, on logical CPU devices.
+
+Usage: python model_parallel_equiv.py MODEL MESHES OPTIMIZERS OUT.json [--checkpoints]
+  MODEL: mlp | transformer | llama; MESHES: e.g. "1x2,2x1,2x2"; OPTIMIZERS: e.g. "sgd,adam".
+
+For each optimizer, trains the model on one device, then under ModelParallel on each mesh (the
+CPU split into 4 logical devices, the mesh over the first ones), from the same initial weights
+on the same global batches, and writes per case: the largest difference of the final weights
+and of the optimizer's variables, of predict's outputs and evaluate's loss, and the bytes each
+device holds of every split variable and slot (read from the devices' own variables).
+With --checkpoints (first mesh, first optimizer): model.save loads into plain Keras, plain Keras
+weights load into the sharded model, and BackupAndRestore resumes where an uninterrupted run
+ends.
+"""
+
+import json
+import os
+import sys
+import tempfile
+
+import numpy as np
+
+import tfstrat
+
+tfstrat.split_cpu(4)
+
+import keras  # noqa: E402
+
+MODEL, MESHES, OPTIMIZERS, OUT = sys.argv[1:5]
+CHECKPOINTS = "--checkpoints" in sys.argv
+BATCH, EPOCHS = 8, 2
+
+
+def optimizer(name):
+    if name == "sgd":
+        return keras.optimizers.SGD(0.05, momentum=0.9)
+    if name == "adam":
+        return keras.optimizers.Adam(0.01)
+    if name == "adam-clip":
+        return keras.optimizers.Adam(0.01, global_clipnorm=0.5)
+    raise ValueError(name)
+
+
+def data():
+    rng = np.random.default_rng(0)
+    if MODEL == "mlp":
+        x = rng.normal(size=(44, 12)).astype("float32")
+        return x, rng.integers(0, 4, size=(44,))
+    ids = rng.integers(1, 48, size=(28, 8)).astype("int32")
+    y = np.roll(ids, -1, axis=1)
+    if MODEL == "llama":
+        return {"token_ids": ids, "padding_mask": np.ones_like(ids, dtype=bool)}, y
+    return ids, y
+
+
+def build(opt):
+    keras.utils.set_random_seed(1)
+    if MODEL == "mlp":
+        inputs = keras.Input((12,))
+        h = keras.layers.Dense(16, activation="relu", name="up")(inputs)
+        h = keras.layers.Dense(12, name="down")(h)
+        h = keras.layers.LayerNormalization(name="norm")(h)
+        model = keras.Model(inputs, keras.layers.Dense(4, name="head")(h))
+    elif MODEL == "transformer":
+        vocab, dim = 48, 16
+        ids = keras.Input((8,), dtype="int32")
+        x = keras.layers.Embedding(vocab, dim, name="tokens")(ids)
+        a = keras.layers.MultiHeadAttention(4, 4, name="attention")(x, x, use_causal_mask=True)
+        x = keras.layers.LayerNormalization(name="norm1")(x + a)
+        f = keras.layers.Dense(32, activation="gelu", name="ff_up")(x)
+        f = keras.layers.Dense(dim, name="ff_down")(f)
+        x = keras.layers.LayerNormalization(name="norm2")(x + f)
+        model = keras.Model(ids, keras.layers.Dense(vocab, name="logits")(x))
+    else:
+        import keras_hub
+
+        backbone = keras_hub.models.LlamaBackbone(
+            vocabulary_size=48,
+            num_layers=2,
+            num_query_heads=4,
+            hidden_dim=16,
+            intermediate_dim=32,
+            num_key_value_heads=2,
+            dropout=0,
+        )
+        model = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+    model.compile(
+        optimizer=optimizer(opt),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        weighted_metrics=["accuracy"],
+    )
+    return model
+
+
+def layout_map(mesh):
+    if MODEL == "llama":
+        import keras_hub
+
+        return keras_hub.models.LlamaBackbone.get_layout_map(
+            mesh, model_parallel_dim_name="model", data_parallel_dim_name="batch"
+        )
+    layout = tfstrat.LayoutMap(mesh)
+    if MODEL == "mlp":
+        layout["up/kernel"] = (None, "model")  # column-parallel
+        layout["up/bias"] = ("model",)
+        layout["down/kernel"] = ("model", None)  # row-parallel
+        return layout
+    layout["tokens/embeddings"] = ("model", None)  # vocabulary-parallel
+    layout["attention/(query|key|value)/kernel"] = (None, "model", None)  # by heads
+    layout["attention/(query|key|value)/bias"] = ("model", None)
+    layout["attention/attention_output/kernel"] = ("model", None, None)
+    layout["ff_up/kernel"] = (None, "model")
+    layout["ff_up/bias"] = ("model",)
+    layout["ff_down/kernel"] = ("model", None)
+    layout["logits/kernel"] = (None, "model")
+    return layout
+
+
+def strategy_for(shape):
+    devices = [f"/device:CPU:{i}" for i in range(int(np.prod(shape)))]
+    mesh = tfstrat.DeviceMesh(shape, ["batch", "model"], devices=devices)
+    return tfstrat.ModelParallel(layout_map=layout_map(mesh), batch_dim_name="batch")
+
+
+def diff(a, b) -> float:
+    return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(a, b))
+
+
+def held(model) -> list:
+    """(path, whole bytes, [bytes on each device]) of every split variable and slot."""
+    from tfstrat.mesh.variables import is_sharded
+
+    out = []
+    for v in list(model.weights) + list(model.optimizer.variables):
+        if is_sharded(v):
+            parts = v._value.values
+            out.append(
+                [
+                    v.path,
+                    int(np.prod(v.shape)) * 4,
+                    [[p.device, int(np.prod(p.shape)) * 4] for p in parts],
+                ]
+            )
+    return out
+
+
+x, y = data()
+results = {"cases": []}
+for opt in OPTIMIZERS.split(","):
+    reference = build(opt)
+    initial = reference.get_weights()
+    reference.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+    ref_predict = reference.predict(x, batch_size=BATCH, verbose=0)
+    ref_loss = reference.evaluate(x, y, batch_size=BATCH, verbose=0)[0]
+    for text in MESHES.split(","):
+        shape = tuple(int(s) for s in text.split("x"))
+        strategy = strategy_for(shape)
+        with strategy.scope():
+            model = build(opt)
+        start = model.get_weights()
+        model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
+        results["cases"].append(
+            {
+                "mesh": text,
+                "optimizer": opt,
+                "initial": diff(initial, start),
+                "weights": diff(reference.get_weights(), model.get_weights()),
+                "slots": diff(reference.optimizer.variables, model.optimizer.variables),
+                "iterations": int(model.optimizer.iterations.numpy()),
+                "predict": float(
+                    np.max(np.abs(ref_predict - model.predict(x, batch_size=BATCH, verbose=0)))
+                ),
+                "evaluate": abs(ref_loss - model.evaluate(x, y, batch_size=BATCH, verbose=0)[0]),
+                "held": held(model),
+            }
+        )
+        if CHECKPOINTS and len(results["cases"]) == 1:
+            tmp = tempfile.mkdtemp()
+            path = os.path.join(tmp, "sharded.keras")
+            model.save(path)
+            plain = keras.models.load_model(path)
+            results["saved_to_plain"] = diff(model.get_weights(), plain.get_weights())
+            results["saved_slots_to_plain"] = diff(
+                model.optimizer.variables, plain.optimizer.variables
+            )
+            reference.save(os.path.join(tmp, "plain.keras"))
+            with strategy.scope():
+                loaded = keras.models.load_model(os.path.join(tmp, "plain.keras"))
+            results["plain_to_sharded"] = diff(reference.get_weights(), loaded.get_weights())
+            results["plain_to_sharded_slots"] = diff(
+                reference.optimizer.variables, loaded.optimizer.variables
+            )
+            results["loaded_held"] = held(loaded)
+
+            class Interrupt(keras.callbacks.Callback):
+                def on_epoch_end(self, epoch, logs=None):
+                    if epoch == 0:
+                        raise KeyboardInterrupt
+
+            backup = os.path.join(tmp, "backup")
+            with strategy.scope():
+                first = build(opt)
+            try:
+                first.fit(
+                    x,
+                    y,
+                    batch_size=BATCH,
+                    epochs=EPOCHS,
+                    shuffle=False,
+                    verbose=0,
+                    callbacks=[keras.callbacks.BackupAndRestore(backup), Interrupt()],
+                )
+            except KeyboardInterrupt:
+                pass
+            with strategy.scope():
+                resumed = build(opt)
+            resumed.fit(
+                x,
+                y,
+                batch_size=BATCH,
+                epochs=EPOCHS,
+                shuffle=False,
+                verbose=0,
+                callbacks=[keras.callbacks.BackupAndRestore(backup)],
+            )
+            results["resumed"] = diff(model.get_weights(), resumed.get_weights())
+            results["resumed_slots"] = diff(model.optimizer.variables, resumed.optimizer.variables)
+
+with open(OUT, "w") as f:
+    json.dump(results, f)

@@ -1,0 +1,118 @@
+"""ModelParallel's answers to layouts it cannot apply, and to a layer it does not split.
+
+Usage: python model_parallel_layouts.py OUT.json
+Writes, per case, the error's type and message (or None), and for the layer tfstrat does not
+split (a Conv1D whose kernel a rule splits): its start-up line and its difference from one
+device after training.
+"""
+
+import json
+import logging
+import sys
+
+import numpy as np
+
+import tfstrat
+
+tfstrat.split_cpu(4)
+
+import keras  # noqa: E402
+
+OUT = sys.argv[1]
+TWO = ["/device:CPU:0", "/device:CPU:1"]
+results = {}
+
+
+class Lines(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+lines = Lines()
+logging.getLogger("tfstrat").addHandler(lines)
+logging.getLogger("tfstrat").setLevel(logging.INFO)
+
+
+def mlp():
+    keras.utils.set_random_seed(1)
+    inputs = keras.Input((6,))
+    h = keras.layers.Dense(10, name="up")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(2, name="head")(h))
+
+
+def attempt(name, rules, mesh_shape=(1, 2), axis_names=("batch", "model"), batch="batch"):
+    try:
+        mesh = tfstrat.DeviceMesh(
+            mesh_shape, list(axis_names), devices=TWO[: int(np.prod(mesh_shape))]
+        )
+        layout = tfstrat.LayoutMap(mesh)
+        for key, value in rules.items():
+            layout[key] = value
+        strategy = tfstrat.ModelParallel(layout_map=layout, batch_dim_name=batch)
+        with strategy.scope():
+            model = mlp()
+            model.compile(optimizer="sgd", loss="mse")
+        model.fit(np.ones((4, 6), "float32"), np.ones((4, 2), "float32"), verbose=0)
+        results[name] = None
+    except Exception as e:  # noqa: BLE001 (the message is the result)
+        results[name] = [type(e).__name__, str(e)]
+
+
+lines.lines.clear()
+attempt("unknown_axis", {"up/kernel": (None, "tensor")})
+attempt("two_rules", {"up/kernel": (None, "model"), "up/.*": (None, "model")})
+attempt("wrong_rank", {"up/kernel": ("model",)})
+attempt("two_dims_on_model", {"up/kernel": ("model", "model")})
+attempt("unknown_batch_axis", {}, batch="data")
+attempt("three_axes", {}, mesh_shape=(1, 1, 2), axis_names=("batch", "model", "expert"))
+lines.lines.clear()
+attempt("matches_nothing", {"dense_99/kernel": (None, "model"), "up/kernel": (None, "model")})
+results["matches_nothing_lines"] = [line for line in lines.lines if "matches no variable" in line]
+
+# A dimension that does not divide: Dense(5) split over 2.
+try:
+    mesh = tfstrat.DeviceMesh((1, 2), ["batch", "model"], devices=TWO)
+    layout = tfstrat.LayoutMap(mesh)
+    layout[".*five/kernel"] = (None, "model")
+    with tfstrat.ModelParallel(layout_map=layout).scope():
+        keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, name="five")])
+    results["five"] = None
+except Exception as e:  # noqa: BLE001
+    results["five"] = [type(e).__name__, str(e)]
+
+# A layer tfstrat does not split: computed on its whole kernel, equal to one device.
+rng = np.random.default_rng(0)
+x = rng.normal(size=(16, 8, 3)).astype("float32")
+y = rng.normal(size=(16, 8, 4)).astype("float32")
+
+
+def conv():
+    keras.utils.set_random_seed(2)
+    model = keras.Sequential(
+        [keras.Input((8, 3)), keras.layers.Conv1D(4, 3, padding="same", name="conv")]
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    return model
+
+
+reference = conv()
+reference.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+mesh = tfstrat.DeviceMesh((1, 2), ["batch", "model"], devices=TWO)
+layout = tfstrat.LayoutMap(mesh)
+layout[".*conv/kernel"] = (None, None, "model")
+lines.lines.clear()
+with tfstrat.ModelParallel(layout_map=layout).scope():
+    model = conv()
+model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+results["whole_line"] = [line for line in lines.lines if "/conv (Conv1D)" in line]
+results["whole_diff"] = max(
+    float(np.max(np.abs(a - b))) for a, b in zip(reference.get_weights(), model.get_weights())
+)
+results["whole_parts"] = [list(p.shape) for p in model.get_layer("conv").kernel._value.values]
+
+with open(OUT, "w") as f:
+    json.dump(results, f)
