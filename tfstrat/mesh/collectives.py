@@ -47,11 +47,12 @@ def _over_model_group(x, combine):
     mesh = _mesh()
 
     def merge(strategy, value):
-        parts = value.values
+        parts = value.values  # this process's replicas'
         out = []
-        for replica, device in enumerate(mesh.devices):
-            with tf.device(device):
-                out.append(combine(replica, [parts[g] for g in mesh.model_group(replica)]))
+        for k, replica in enumerate(mesh.local):
+            with tf.device(mesh.local_devices[k]):
+                group = [parts[mesh.position(g)] for g in mesh.model_group(replica)]
+                out.append(combine(replica, group))
         return tf_values.PerReplica(out)
 
     return context.merge_call(merge, args=(x,))
@@ -132,48 +133,132 @@ def split(x, axis: int):
 class DataAxisReduce(tf.distribute.CrossDeviceOps):
     """The strategy's reduction: sums over each data group only.
 
-    A value reduced to every device of the mesh (the step's gradients and extras, a synchronized
-    metric's update) gives each device the sum over its data group. Reduced to one device (a
-    cross-replica `strategy.reduce`), it is the sum over the replicas of model coordinate 0: each
-    slice of the batch counted once.
+    A value reduced to every device of this process (the step's gradients and extras, a
+    synchronized metric's update) gives each device the sum over its data group: this
+    process's members first, then, across workers, one exchange of tfstrat's ring for every
+    model coordinate at once (`ring`; None in one process). Reduced to one device (a
+    cross-replica `strategy.reduce`), it is the sum over the replicas of model coordinate 0:
+    each slice of the batch counted once.
     """
 
-    def __init__(self, mesh: Mesh):
+    def __init__(self, mesh: Mesh, ring=None):
         super().__init__()
         self.mesh = mesh
+        self.ring = ring
+        from tfstrat.reduce.cross_device import RingCalls
+
+        self._ring_calls = RingCalls()
 
     def _parts(self, value):
         if isinstance(value, tf_values.DistributedValues):
             return list(value.values)
-        return [value] * len(self.mesh.devices)
+        return [value] * len(self.mesh.local)
 
-    def _reduce(self, reduce_op, value, destinations):
+    def _to_every_device(self, destinations) -> bool:
         from tfstrat._compat.tf import cross_device_ops
 
-        parts = self._parts(value)
-        mesh = self.mesh
         devices = cross_device_ops.get_devices_from(destinations)
-        mean = reduce_op == tf.distribute.ReduceOp.MEAN
-        if [_key(d) for d in devices] == [_key(d) for d in mesh.devices]:
-            out = []
-            for replica, device in enumerate(mesh.devices):
-                with tf.device(device):
-                    total = _sum_parts([parts[g] for g in mesh.data_group(replica)])
-                    out.append(_scale(total, 1.0 / mesh.data_size) if mean else total)
-            return tf_values.Mirrored(out)
-        firsts = [parts[r] for r in range(len(mesh.devices)) if mesh.model_index(r) == 0]
-        out = []
-        for device in devices:
+        return [_key(d) for d in devices] == [_key(d) for d in self.mesh.local_devices]
+
+    def _local_sums(self, value) -> tuple[list[int], list]:
+        """(the model coordinates of this process, the sum of each one's local members)."""
+        parts, mesh = self._parts(value), self.mesh
+        model_of = [mesh.model_index(r) for r in mesh.local]
+        coordinates, sums = sorted(set(model_of)), []
+        for m in coordinates:
+            members = [k for k in range(len(parts)) if model_of[k] == m]
+            with tf.device(mesh.local_devices[members[0]]):
+                sums.append(_sum_parts([parts[k] for k in members]))
+        return coordinates, sums
+
+    def _spread(self, reduce_op, coordinates, sums):
+        """Each device its model coordinate's sum (over the batch axis: divided for MEAN)."""
+        mesh, out = self.mesh, []
+        for k, device in enumerate(mesh.local_devices):
             with tf.device(device):
-                total = _sum_parts(firsts)
-                out.append(_scale(total, 1.0 / len(firsts)) if mean else total)
+                total = _copy(sums[coordinates.index(mesh.model_index(mesh.local[k]))])
+                mean = reduce_op == tf.distribute.ReduceOp.MEAN
+                out.append(_scale(total, 1.0 / mesh.data_size) if mean else total)
         return tf_values.Mirrored(out)
+
+    def _reduce(self, reduce_op, value, destinations):
+        if self._to_every_device(destinations):
+            coordinates, sums = self._local_sums(value)
+            return self._spread(reduce_op, coordinates, self._across_workers(sums))
+        from tfstrat._compat.tf import cross_device_ops
+
+        mesh = self.mesh
+        firsts = [p for p, r in zip(self._parts(value), mesh.local) if mesh.model_index(r) == 0]
+        with tf.device(mesh.local_devices[0]):
+            total = self._across_workers([_sum_parts(firsts)])[0]
+        out = []
+        for device in cross_device_ops.get_devices_from(destinations):
+            with tf.device(device):
+                total = _copy(total)
+                mean = reduce_op == tf.distribute.ReduceOp.MEAN
+                out.append(_scale(total, 1.0 / mesh.data_size) if mean else total)
+        return tf_values.Mirrored(out)
+
+    def _batch(self, reduce_op, pairs):
+        """Several values in one ring exchange (a step's gradients and extras)."""
+        if not all(self._to_every_device(d) for _, d in pairs):
+            return [self._reduce(reduce_op, v, d) for v, d in pairs]
+        plans, flat = [], []
+        for value, _ in pairs:
+            coordinates, sums = self._local_sums(value)
+            plans.append((coordinates, len(flat), len(sums)))
+            flat += sums
+        flat = self._across_workers(flat)
+        return [self._spread(reduce_op, c, flat[at : at + n]) for c, at, n in plans]
+
+    def _across_workers(self, values: list) -> list:
+        """`values` summed over the workers in one ring exchange (dense ones summed, row
+        gradients' rows gathered); unchanged in one process."""
+        if self.ring is None:
+            return values
+        from tfstrat.reduce import sparse
+
+        dense = [i for i, v in enumerate(values) if not isinstance(v, tf.IndexedSlices)]
+        rows = [i for i in range(len(values)) if i not in dense]
+        inputs, shapes = [], []
+        if dense:
+            flat = tf.concat([tf.reshape(tf.cast(values[i], tf.float64), [-1]) for i in dense], 0)
+            inputs.append(flat)
+            shapes.append(flat.shape)
+        for i in rows:
+            packed = sparse.pack_rows(values[i], None)
+            inputs.append(packed)
+            shapes.append([None, packed.shape[1]])
+        ring = self.ring
+
+        def exchange(*arrays):
+            summed, gathered = ring.exchange(
+                arrays[0] if dense else None, list(arrays[1 if dense else 0 :])
+            )
+            return ([summed.copy()] if dense else []) + gathered
+
+        with tf.device("/device:CPU:0"):
+            outs = self._ring_calls.call(exchange, inputs, shapes, "mesh_batch_axis")
+        out = list(values)
+        if dense:
+            sizes = [values[i].shape.num_elements() for i in dense]
+            for i, piece in zip(dense, tf.split(outs[0], sizes)):
+                out[i] = tf.cast(tf.reshape(piece, values[i].shape), values[i].dtype)
+        for i, everyone in zip(rows, outs[1 if dense else 0 :]):
+            like = values[i]
+            index = tf.cast(tf.bitcast(everyone[:, 0], tf.int32), like.indices.dtype)
+            shape = tf.concat([[-1], tf.shape(like.values)[1:]], 0)
+            out[i] = tf.IndexedSlices(tf.reshape(everyone[:, 1:], shape), index, like.dense_shape)
+        return out
 
     def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
         return self._reduce(reduce_op, per_replica_value, destinations)
 
     def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
-        return [self._reduce(reduce_op, v, d) for v, d in value_destination_pairs]
+        if self.ring is None or len(value_destination_pairs) < 2:
+            return [self._reduce(reduce_op, v, d) for v, d in value_destination_pairs]
+        # Several values: one ring exchange for all of them (the step's gradients and extras).
+        return self._batch(reduce_op, value_destination_pairs)
 
     def broadcast_implementation(self, tensor, destinations):
         from tfstrat._compat.tf import cross_device_ops
@@ -188,6 +273,14 @@ class DataAxisReduce(tf.distribute.CrossDeviceOps):
 def _key(device: str):
     spec = tf.DeviceSpec.from_string(device)
     return spec.device_type, spec.device_index
+
+
+def _copy(value):
+    if isinstance(value, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            tf.identity(value.values), tf.identity(value.indices), value.dense_shape
+        )
+    return tf.identity(value)
 
 
 def _sum_parts(parts):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 import keras
 import numpy as np
@@ -35,9 +36,7 @@ class DeviceMesh(keras.distribution.DeviceMesh):
 
     def __init__(self, shape, axis_names, devices=None):
         if devices is None:
-            from tfstrat.cluster.devices import local_devices
-
-            devices = local_devices()
+            devices = _default_devices()
             needed = int(np.prod(shape))
             if len(devices) != needed:
                 raise UsageError(
@@ -46,6 +45,26 @@ class DeviceMesh(keras.distribution.DeviceMesh):
                     f"tfstrat.split_cpu({needed}) before TensorFlow starts, or pass devices=[...]."
                 )
         super().__init__(shape=tuple(shape), axis_names=list(axis_names), devices=devices)
+
+
+def _default_devices() -> list[str]:
+    """This process's devices; under a TF_CONFIG of 2+ workers, every worker's (as many on
+    each as here), by rank."""
+    from tfstrat.cluster import TFConfig
+    from tfstrat.cluster.devices import local_devices
+
+    here = local_devices()
+    if not os.environ.get("TF_CONFIG", "").strip():
+        return here
+    tf_config = TFConfig.from_env()
+    tasks = [
+        f"/job:{job}/replica:0/task:{i}"
+        for job in ("chief", "worker")
+        for i in range(len(tf_config.addresses(job)))
+    ]
+    if len(tasks) < 2:
+        return here
+    return [f"{task}{device}" for task in tasks for device in here]
 
 
 class LayoutMap(keras.distribution.LayoutMap):
@@ -64,16 +83,24 @@ def _device_name(device) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Mesh:
-    """A 1-D or 2-D device mesh: an optional batch axis and an optional model axis."""
+    """A 1-D or 2-D device mesh: an optional batch axis and an optional model axis.
+
+    Replicas are numbered in the mesh's row-major order; `local` are this process's (every one
+    in one process; across workers, each worker's devices in turn), on `local_devices`.
+    """
 
     devices: tuple[str, ...]  # replica order: the mesh's devices, row-major
     shape: tuple[int, ...]
     axis_names: tuple[str, ...]
     batch_axis: str | None
     model_axis: str | None
+    local: tuple[int, ...]
+    local_devices: tuple[str, ...]
 
     @classmethod
-    def of(cls, device_mesh, batch_dim_name: str | None) -> Mesh:
+    def of(cls, device_mesh, batch_dim_name: str | None, workers=None) -> Mesh:
+        """The mesh of `device_mesh`; `workers`: (this worker's rank, the workers' device
+        names by rank) when the mesh spans workers (its own device names are then unused)."""
         shape = tuple(int(s) for s in device_mesh.shape)
         names = tuple(device_mesh.axis_names)
         if len(shape) != len(names) or len(set(names)) != len(names):
@@ -91,8 +118,38 @@ class Mesh:
                 f"Received: a mesh with axes {list(names)}. tfstrat.ModelParallel takes a batch "
                 f"axis ({batch_dim_name!r}) and at most one model axis; merge the others into one."
             )
-        devices = tuple(_device_name(d) for d in np.asarray(device_mesh.devices).reshape(-1))
-        return cls(devices, shape, names, batch_dim_name, others[0] if others else None)
+        if workers is None:
+            devices = tuple(_device_name(d) for d in np.asarray(device_mesh.devices).reshape(-1))
+            local = tuple(range(len(devices)))
+            mesh = cls(devices, shape, names, batch_dim_name, others[0] if others else None,
+                       local, devices)  # fmt: skip
+        else:
+            rank, by_rank = workers
+            devices = tuple(d for worker in by_rank for d in worker)
+            if len(devices) != int(np.prod(shape)):
+                raise UsageError(
+                    f"Received: a mesh of shape {shape} ({int(np.prod(shape))} devices) for "
+                    f"{len(by_rank)} workers of {len(by_rank[rank])} device(s) each. Make the "
+                    "mesh's size the workers' devices (split each worker's CPU with "
+                    "tfstrat.split_cpu(n) alike)."
+                )
+            first = sum(len(w) for w in by_rank[:rank])
+            local = tuple(range(first, first + len(by_rank[rank])))
+            mesh = cls(devices, shape, names, batch_dim_name, others[0] if others else None,
+                       local, tuple(by_rank[rank]))  # fmt: skip
+        for r in mesh.local:
+            if not set(mesh.model_group(r)) <= set(mesh.local):
+                raise UsageError(
+                    f"Received: a mesh of shape {shape} ({', '.join(names)}) whose model axis "
+                    f"({mesh.model_size} devices) spans workers of {len(mesh.local)} device(s). "
+                    "Put the model axis within a worker: its size must divide each worker's "
+                    "devices."
+                )
+        return mesh
+
+    def position(self, replica: int) -> int:
+        """`replica`'s place among this process's replicas."""
+        return self.local.index(replica)
 
     def size(self, axis: str | None) -> int:
         return 1 if axis is None else self.shape[self.axis_names.index(axis)]

@@ -50,11 +50,13 @@ class ShardedVariable(keras.Variable):
         return tf.convert_to_tensor(self._value)
 
     def _parts(self) -> list:
-        """One component per part, by model coordinate."""
+        """One component per part, by model coordinate (this process holds every part: its
+        devices hold whole model groups)."""
         mesh = self._tfstrat_mesh
         components = self._value.values
-        firsts = [r for r in range(len(mesh.devices)) if mesh.data_index(r) == 0]
-        return [components[r] for r in sorted(firsts, key=mesh.model_index)]
+        first = mesh.data_index(mesh.local[0])
+        group = [k for k, r in enumerate(mesh.local) if mesh.data_index(r) == first]
+        return [components[k] for k in sorted(group, key=lambda k: mesh.model_index(mesh.local[k]))]
 
     def whole(self):
         """The whole value as a tensor, outside a step (the parts concatenated)."""
@@ -70,8 +72,8 @@ class ShardedVariable(keras.Variable):
     def _direct_assign(self, value):
         mesh = self._tfstrat_mesh
         value = tf.convert_to_tensor(value, self._value.dtype)
-        for replica, component in enumerate(self._value.values):
-            component.assign(self.sharding.take(value, mesh.model_index(replica)))
+        for k, component in enumerate(self._value.values):
+            component.assign(self.sharding.take(value, mesh.model_index(mesh.local[k])))
 
 
 def adopt(variable, mesh) -> None:

@@ -35,7 +35,7 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
         #: A `tfstrat.reduce.ring.Ring` when dense all-reduces go over tfstrat's TCP ring
         #: (one device per worker); None: TensorFlow's collectives.
         self.ring = None
-        self._last_ring_op = weakref.WeakKeyDictionary()  # graph -> its last ring op
+        self._ring_calls = RingCalls()
         #: What replica 0 sent, recorded at trace time: `("all_reduce", [shapes])` for a dense
         #: pack, `("all_gather", shape)` for a packed sparse gradient. For tests and debugging.
         self.traced: list[tuple] = []
@@ -108,24 +108,7 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
         return self.ring is not None and static and len(dtypes) == 1 and dtypes.pop().is_floating
 
     def _ring_call(self, fn, inputs, shapes, name):
-        """`fn(*inputs)` (NumPy arrays in, a list of arrays out) in the graph, after the
-        graph's previous ring call; returns the outputs with `shapes`.
-
-        Ring calls must run in the same order on every worker: within a graph each one waits
-        for the previous (control dependency); graphs and eager calls run one at a time.
-        """
-        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-        last = self._last_ring_op.get(graph) if graph is not None else None
-        with tf.control_dependencies([last] if last is not None else []):
-            outs = tf.numpy_function(
-                fn, inputs, [t.dtype for t in inputs], stateful=True, name=name
-            )
-        outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]  # one: not a list
-        if graph is not None:
-            self._last_ring_op[graph] = outs[0].op
-        for out, shape in zip(outs, shapes):
-            out.set_shape(shape)
-        return outs
+        return self._ring_calls.call(fn, inputs, shapes, name)
 
     def _ring_exchange(self, reduce_op, dense, slices, replica_id):
         """One TCP ring exchange for a step: every dense tensor packed into one flat vector
@@ -190,6 +173,33 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
                     gathered.values / self._group_size, gathered.indices, gathered.dense_shape
                 )
         return gathered
+
+
+class RingCalls:
+    """Ring calls in a graph, in order: `call(fn, inputs, shapes, name)` runs `fn(*inputs)`
+    (NumPy arrays in, a list of arrays out) after the graph's previous ring call, and returns
+    the outputs with `shapes`.
+
+    Ring calls must run in the same order on every worker: within a graph each one waits for
+    the previous (control dependency); graphs and eager calls run one at a time.
+    """
+
+    def __init__(self):
+        self._last = weakref.WeakKeyDictionary()  # graph -> its last ring op
+
+    def call(self, fn, inputs, shapes, name):
+        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+        last = self._last.get(graph) if graph is not None else None
+        with tf.control_dependencies([last] if last is not None else []):
+            outs = tf.numpy_function(
+                fn, inputs, [t.dtype for t in inputs], stateful=True, name=name
+            )
+        outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]  # one: not a list
+        if graph is not None:
+            self._last[graph] = outs[0].op
+        for out, shape in zip(outs, shapes):
+            out.set_shape(shape)
+        return outs
 
 
 def _packable(slices: tf.IndexedSlices) -> bool:

@@ -237,6 +237,8 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
         >>> model.fit(x, y, batch_size=64)  # doctest: +SKIP
     """
 
+    _extended_class = _Extended  # ModelParallel's across workers creates split variables
+
     def __init__(
         self,
         tf_config: TFConfig | None = None,
@@ -286,7 +288,7 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
             # MWMS.__init__ hard-codes its extended class; this is its body with ours.
             try:
                 distribute_lib.Strategy.__init__(
-                    self, _Extended(self, resolver, options, count, self.density)
+                    self, self._extended_class(self, resolver, options, count, self.density)
                 )
             except RuntimeError as e:
                 if "at program startup" not in str(e):
@@ -377,7 +379,8 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
         gather = lambda: self.run(lambda: _gather_address(rank, advertised, port))  # noqa: E731
         gathered = tf.function(gather, autograph=False)()
         rows = self.experimental_local_results(gathered)[0].numpy()
-        addresses = [_address_of(row) for row in sorted(rows.tolist())]
+        by_rank = {row[0]: row for row in rows.tolist()}  # one row per device: one per rank
+        addresses = [_address_of(by_rank[r]) for r in sorted(by_rank)]
         names = [name for name, _ in tasks]
         return ring.Ring(rank, addresses, listener, timeout, names)
 

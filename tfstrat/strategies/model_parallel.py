@@ -31,16 +31,17 @@ from tfstrat._compat import patches
 from tfstrat._compat.tf import mirrored_strategy
 from tfstrat.errors import UsageError
 from tfstrat.keras import _shuffle
-from tfstrat.strategies import _common
+from tfstrat.strategies import _common, collective
 
 logger = logging.getLogger(__name__)
 
 
-class _Extended(mirrored_strategy.MirroredExtended):
-    """Creates sharded variables as one part per device (see `tfstrat.mesh.variables`)."""
+class _SplitsVariables:
+    """Extended-object mixin: creates split variables as one part per device (see
+    `tfstrat.mesh.variables`)."""
 
     _tfstrat_planned = None  # the sharding of the variable being created
-    _tfstrat_whole = None  # its whole initial value, drawn once
+    _tfstrat_whole = None  # its whole initial value, drawn once (across workers: the chief's)
 
     def _create_variable(self, next_creator, **kwargs):
         colocate_with = kwargs.get("colocate_with")
@@ -60,16 +61,16 @@ class _Extended(mirrored_strategy.MirroredExtended):
 
     def _get_variable_creator_initial_value(self, replica_id, device, primary_var, **kwargs):
         sharding = self._tfstrat_planned
-        if sharding is None:
-            return super()._get_variable_creator_initial_value(
+        if sharding is None or replica_id == 0:
+            value = super()._get_variable_creator_initial_value(
                 replica_id, device, primary_var, **kwargs
             )
-        if replica_id == 0:
-            initial = kwargs["initial_value"]
-            with tf.init_scope():
-                whole = initial() if callable(initial) else initial
-                self._tfstrat_whole = tf.convert_to_tensor(whole)
-        whole, part = self._tfstrat_whole, self._tfstrat_mesh.model_index(replica_id)
+            if sharding is None:
+                return value
+            with tf.init_scope():  # the whole value: this one's, or the chief's broadcast
+                self._tfstrat_whole = tf.convert_to_tensor(value() if callable(value) else value)
+        mesh = self._tfstrat_mesh
+        whole, part = self._tfstrat_whole, mesh.model_index(mesh.local[replica_id])
         if tuple(whole.shape) != sharding.shape:
             raise UsageError(
                 f"Variable {sharding.path!r}: its initial value has shape {tuple(whole.shape)}, "
@@ -79,6 +80,14 @@ class _Extended(mirrored_strategy.MirroredExtended):
 
     def _get_cross_device_ops(self, value):
         return self._cross_device_ops  # int32 values too: every sum is over the batch axis
+
+
+class _Extended(_SplitsVariables, mirrored_strategy.MirroredExtended):
+    pass
+
+
+class _WorkersExtended(_SplitsVariables, collective._Extended):
+    pass
 
 
 def _plan_keras_variables() -> None:
@@ -113,46 +122,33 @@ def _plan_keras_variables() -> None:
     )
 
 
-class ModelParallel(_common.AdoptsKerasOptimizers, tf.distribute.MirroredStrategy):
-    """Tensor-parallel (and data-parallel) training over a device mesh of this process.
+def _device_mesh(layout_map, device_mesh):
+    if layout_map is None and device_mesh is None:
+        raise UsageError(
+            "Received: ModelParallel() with neither layout_map nor device_mesh. Pass "
+            "layout_map=tfstrat.LayoutMap(tfstrat.DeviceMesh(shape, axis_names))."
+        )
+    mesh_of = getattr(layout_map, "device_mesh", None) if layout_map is not None else None
+    device_mesh = device_mesh if device_mesh is not None else mesh_of
+    if device_mesh is None:
+        raise UsageError(
+            "Received: a layout_map without a device_mesh. Create it as "
+            "tfstrat.LayoutMap(tfstrat.DeviceMesh(shape, axis_names))."
+        )
+    return device_mesh
 
-    Args:
-        layout_map: a `tfstrat.LayoutMap` or `keras.distribution.LayoutMap` (its `device_mesh`
-            is the mesh): regular expressions on variable paths to layouts, e.g.
-            `layout_map["dense.*kernel"] = (None, "model")`.
-        batch_dim_name: the mesh axis the batch is split over (default: the mesh's first).
-        device_mesh: the mesh, when `layout_map` is None (no variable split: data parallel).
 
-    Example:
-        >>> import tfstrat, keras  # doctest: +SKIP
-        >>> tfstrat.split_cpu(4)  # doctest: +SKIP
-        >>> mesh = tfstrat.DeviceMesh((2, 2), ["batch", "model"])  # doctest: +SKIP
-        >>> layout = tfstrat.LayoutMap(mesh)  # doctest: +SKIP
-        >>> layout["dense/kernel"] = (None, "model")  # column-parallel  # doctest: +SKIP
-        >>> layout["dense_1/kernel"] = ("model", None)  # row-parallel  # doctest: +SKIP
-        >>> strategy = tfstrat.ModelParallel(layout_map=layout, batch_dim_name="batch")  # doctest: +SKIP
-    """
+def _worker_count(tf_config) -> int:
+    if tf_config is None:
+        return 1
+    return len(tf_config.addresses("chief")) + len(tf_config.addresses("worker"))
 
-    def __init__(self, *, layout_map=None, batch_dim_name: str | None = None, device_mesh=None):
-        from tfstrat.mesh.collectives import DataAxisReduce
-        from tfstrat.mesh.layout import Mesh
 
-        if layout_map is None and device_mesh is None:
-            raise UsageError(
-                "Received: ModelParallel() with neither layout_map nor device_mesh. Pass "
-                "layout_map=tfstrat.LayoutMap(tfstrat.DeviceMesh(shape, axis_names))."
-            )
-        mesh_of = getattr(layout_map, "device_mesh", None) if layout_map is not None else None
-        device_mesh = device_mesh if device_mesh is not None else mesh_of
-        if device_mesh is None:
-            raise UsageError(
-                "Received: a layout_map without a device_mesh. Create it as "
-                "tfstrat.LayoutMap(tfstrat.DeviceMesh(shape, axis_names))."
-            )
-        mesh = Mesh.of(device_mesh, batch_dim_name)
-        _shuffle.seed_shuffles(set_global_seed=False)
-        super().__init__(devices=list(mesh.devices), cross_device_ops=DataAxisReduce(mesh))
-        self.extended.__class__ = _Extended
+class _OnMesh:
+    """What both ModelParallel classes share: planning variables, preparing layers, clipping,
+    input and results (the strategy's `mesh`, `layout_map`, `planned`)."""
+
+    def _mesh_setup(self, mesh, layout_map) -> None:
         self.extended._tfstrat_mesh = mesh
         self.mesh = mesh
         self.layout_map = layout_map if layout_map is not None else {}
@@ -160,10 +156,12 @@ class ModelParallel(_common.AdoptsKerasOptimizers, tf.distribute.MirroredStrateg
         self._reported: set[int] = set()
         _plan_keras_variables()
         logger.info(
-            "tfstrat: ModelParallel over a mesh %s (%s) of %s; batch axis %r, model axis %r",
+            "tfstrat: ModelParallel over a mesh %s (%s), %d replica(s) here %s; batch axis "
+            "%r, model axis %r",
             mesh.shape,
             ", ".join(mesh.axis_names),
-            list(mesh.devices),
+            len(mesh.local),
+            list(mesh.local_devices),
             mesh.batch_axis,
             mesh.model_axis,
         )
@@ -239,8 +237,8 @@ class ModelParallel(_common.AdoptsKerasOptimizers, tf.distribute.MirroredStrateg
             return _common.name_empty_input(
                 super().experimental_distribute_dataset(dataset, options)
             )
-        replicas = len(mesh.devices)
-        data_of = tf.constant([mesh.data_index(r) for r in range(replicas)], tf.int64)
+        replicas = len(mesh.local)  # this process's, each reading its slice of every batch
+        data_of = tf.constant([mesh.data_index(r) for r in mesh.local], tf.int64)
         slices = mesh.data_size
 
         def expand(*element):
@@ -266,7 +264,108 @@ class ModelParallel(_common.AdoptsKerasOptimizers, tf.distribute.MirroredStrateg
         results = super().experimental_local_results(value)
         if self.mesh.model_size == 1 or not isinstance(value, tf.distribute.DistributedValues):
             return results
-        if isinstance(value, tf.Variable) or len(results) != len(self.mesh.devices):
+        mesh = self.mesh
+        if isinstance(value, tf.Variable) or len(results) != len(mesh.local):
             return results
-        firsts = [r for r in range(len(results)) if self.mesh.model_index(r) == 0]
-        return tuple(results[r] for r in sorted(firsts, key=self.mesh.data_index))
+        firsts = [k for k, r in enumerate(mesh.local) if mesh.model_index(r) == 0]
+        firsts.sort(key=lambda k: mesh.data_index(mesh.local[k]))
+        return tuple(results[k] for k in firsts)
+
+
+class ModelParallel(_OnMesh, _common.AdoptsKerasOptimizers, tf.distribute.MirroredStrategy):
+    """Tensor-parallel (and data-parallel) training over a device mesh: this process's devices, or
+    every worker's (TF_CONFIG with 2+ workers; the model axis within each worker).
+
+    Args:
+        layout_map: a `tfstrat.LayoutMap` or `keras.distribution.LayoutMap` (its `device_mesh`
+            is the mesh): regular expressions on variable paths to layouts, e.g.
+            `layout_map["dense.*kernel"] = (None, "model")`.
+        batch_dim_name: the mesh axis the batch is split over (default: the mesh's first).
+        device_mesh: the mesh, when `layout_map` is None (no variable split: data parallel).
+
+    Example:
+        >>> import tfstrat, keras  # doctest: +SKIP
+        >>> tfstrat.split_cpu(4)  # doctest: +SKIP
+        >>> mesh = tfstrat.DeviceMesh((2, 2), ["batch", "model"])  # doctest: +SKIP
+        >>> layout = tfstrat.LayoutMap(mesh)  # doctest: +SKIP
+        >>> layout["dense/kernel"] = (None, "model")  # column-parallel  # doctest: +SKIP
+        >>> layout["dense_1/kernel"] = ("model", None)  # row-parallel  # doctest: +SKIP
+        >>> strategy = tfstrat.ModelParallel(layout_map=layout, batch_dim_name="batch")  # doctest: +SKIP
+    """
+
+    def __new__(cls, *args, tf_config=None, **kwargs):
+        tf_config = tf_config if tf_config is not None else collective._env_config()
+        if cls is ModelParallel and _worker_count(tf_config) > 1:
+            return ModelParallelOnWorkers(*args, tf_config=tf_config, **kwargs)
+        return super().__new__(cls)
+
+    def __init__(
+        self,
+        *,
+        layout_map=None,
+        batch_dim_name: str | None = None,
+        device_mesh=None,
+        tf_config=None,
+        timeout: float | None = None,
+    ):
+        from tfstrat.mesh.collectives import DataAxisReduce
+        from tfstrat.mesh.layout import Mesh
+
+        mesh = Mesh.of(_device_mesh(layout_map, device_mesh), batch_dim_name)
+        _shuffle.seed_shuffles(set_global_seed=False)
+        super().__init__(devices=list(mesh.devices), cross_device_ops=DataAxisReduce(mesh))
+        self.extended.__class__ = _Extended
+        self._mesh_setup(mesh, layout_map)
+
+
+class ModelParallelOnWorkers(_OnMesh, collective.CollectiveAllReduce):
+    """`ModelParallel` across workers (what `tfstrat.ModelParallel(...)` returns under a
+    TF_CONFIG of 2+ workers): the mesh's devices are the workers' devices in rank order
+    (`tfstrat.split_cpu(n)` alike on every worker), the model axis within each worker, the
+    batch axis across them; the batch axis's sums cross workers in one exchange of tfstrat's
+    TCP ring per step. The cluster (start-up, agreement, stopping, the chief's saving) is
+    CollectiveAllReduce's."""
+
+    _extended_class = _WorkersExtended
+
+    def __init__(
+        self,
+        *,
+        layout_map=None,
+        batch_dim_name: str | None = None,
+        device_mesh=None,
+        tf_config=None,
+        timeout: float | None = collective.DEFAULT_TIMEOUT,
+    ):
+        from tfstrat.cluster.devices import local_devices
+        from tfstrat.mesh.collectives import DataAxisReduce
+        from tfstrat.mesh.layout import Mesh
+
+        device_mesh = _device_mesh(layout_map, device_mesh)
+        tf_config = tf_config if tf_config is not None else collective._env_config()
+        count = len(local_devices())
+        super().__init__(
+            tf_config,
+            devices=count if count > 1 else None,
+            communication="ring",
+            timeout=timeout,
+            _agree_on={"mesh": list(device_mesh.shape), "axes": list(device_mesh.axis_names)},
+        )
+        names = [
+            [f"{task}/device:CPU:{k}" for k in range(max(count, 1))]
+            for task in _task_prefixes(tf_config)
+        ]
+        mesh = Mesh.of(device_mesh, batch_dim_name, (self.worker_index, names))
+        t = timeout or collective.DEFAULT_TIMEOUT
+        ring = self._connect_ring(t)
+        self.extended._cross_device_ops = DataAxisReduce(mesh, ring)
+        self._mesh_setup(mesh, layout_map)
+
+
+def _task_prefixes(tf_config) -> list[str]:
+    """Every worker task's device prefix, by rank (the chief first, as TensorFlow ranks)."""
+    return [
+        f"/job:{job}/replica:0/task:{i}"
+        for job in ("chief", "worker")
+        for i in range(len(tf_config.addresses(job)))
+    ]
