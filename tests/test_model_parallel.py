@@ -16,6 +16,7 @@ from paths import WORKERS
 
 TOLERANCE = 1e-5
 MESHES = "1x2,2x1,2x2"
+STEPS = {"mlp": 12, "transformer": 8, "llama": 8}  # 44 or 28 rows, batches of 8, 2 epochs
 
 
 def _run(tmp_path, *args, timeout=420):
@@ -31,7 +32,7 @@ def _run(tmp_path, *args, timeout=420):
     return json.loads(out.read_text()), proc.stderr
 
 
-def _check(result, meshes, optimizers, steps):
+def _check(result, meshes, optimizers, steps, devices_here=None):
     cases = result["cases"]
     assert [(c["mesh"], c["optimizer"]) for c in cases] == [
         (m, o) for o in optimizers.split(",") for m in meshes.split(",")
@@ -51,7 +52,8 @@ def _check(result, meshes, optimizers, steps):
         assert case["held"], name
         for path, whole, parts in case["held"]:
             # Every device holds 1/model-axis of each split variable and slot.
-            assert len(parts) == 2 * int(case["mesh"].split("x")[0]), (name, path)
+            here = devices_here or 2 * int(case["mesh"].split("x")[0])
+            assert len(parts) == here, (name, path, parts)
             assert {size for _, size in parts} == {whole // model_axis}, (name, path, parts)
             assert len({device for device, _ in parts}) == len(parts), (name, path, parts)
         slots = [p for p, *_ in case["held"] if p.split("/")[0].startswith(("sgd", "adam"))]
@@ -64,7 +66,7 @@ def test_mlp_on_every_mesh_with_checkpoints(tmp_path):
     Adam with global_clipnorm (the norm over all parts); model.save loads into plain Keras and
     back, and BackupAndRestore resumes exactly."""
     result, err = _run(tmp_path, "mlp", MESHES, "sgd,adam-clip", "--checkpoints")
-    _check(result, MESHES, "sgd,adam-clip", steps=12)
+    _check(result, MESHES, "sgd,adam-clip", steps=STEPS["mlp"])
     for key in ("saved_to_plain", "saved_slots_to_plain", "plain_to_sharded"):
         assert result[key] == 0.0, key
     assert result["plain_to_sharded_slots"] == 0.0
@@ -79,7 +81,7 @@ def test_transformer_block_on_a_2x2_mesh(tmp_path):
     """Vocabulary-parallel Embedding, MultiHeadAttention split by heads, an MLP, a
     column-parallel logits layer, LayerNormalization whole; Adam."""
     result, err = _run(tmp_path, "transformer", "2x2", "adam")
-    _check(result, "2x2", "adam", steps=8)
+    _check(result, "2x2", "adam", steps=STEPS["transformer"])
     assert "attention/query (EinsumDense)" in err and "vocabulary-parallel lookup" in err
 
 
@@ -88,7 +90,7 @@ def test_keras_hub_llama_with_its_own_layout_map(tmp_path):
     """keras-hub's LlamaBackbone.get_layout_map, unchanged: its batch-axis entries keep those
     dimensions whole, its model-axis ones split."""
     result, err = _run(tmp_path, "llama", "2x2", "adam")
-    _check(result, "2x2", "adam", steps=8)
+    _check(result, "2x2", "adam", steps=STEPS["llama"])
     assert "kept whole over that axis" in err
     assert "feedforward_gate_dense (Dense)" in err and "row-parallel" in err
 
@@ -98,7 +100,43 @@ def test_keras_hub_llama_with_its_own_layout_map(tmp_path):
 @pytest.mark.parametrize("model", ["transformer", "llama"])
 def test_every_mesh_and_optimizer(model, tmp_path):
     result, _ = _run(tmp_path, model, MESHES, "sgd,adam", timeout=840)
-    _check(result, MESHES, "sgd,adam", steps=8)
+    _check(result, MESHES, "sgd,adam", steps=STEPS[model])
+
+
+def _on_workers(tmp_path, model, optimizer):
+    from cluster import launch_script
+
+    out = tmp_path / "result.json"
+    code, output = launch_script("model_parallel_equiv.py", model, "2x2", optimizer, str(out))
+    assert code == 0, output[-4000:]
+    results = [json.loads((tmp_path / f"result.json.{rank}").read_text()) for rank in (0, 1)]
+    return results, output
+
+
+def _check_workers(results, output, model, optimizer):
+    for result in results:
+        _check(result, "2x2", optimizer, steps=STEPS[model], devices_here=2)
+    # The workers end with the same weights (each within 1e-5 of one device, and equal).
+    assert results[0]["cases"][0]["weights"] == results[1]["cases"][0]["weights"]
+    assert "ModelParallel over a mesh (2, 2) (batch, model), 2 replica(s) here" in output
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(600)
+def test_two_workers_of_two_devices_each(tmp_path):
+    """A (2, 2) mesh as 2 workers x 2 logical CPUs (`tfstrat launch --workers 2`): the model
+    axis within each worker, the batch axis across them over tfstrat's ring."""
+    results, output = _on_workers(tmp_path, "transformer", "adam")
+    _check_workers(results, output, "transformer", "adam")
+
+
+@pytest.mark.matrix
+@pytest.mark.cluster
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("model", ["mlp", "llama"])
+def test_two_workers_every_model(model, tmp_path):
+    results, output = _on_workers(tmp_path, model, "sgd")
+    _check_workers(results, output, model, "sgd")
 
 
 @pytest.mark.timeout(300)

@@ -2,6 +2,8 @@
 
 Usage: python model_parallel_equiv.py MODEL MESHES OPTIMIZERS OUT.json [--checkpoints]
   MODEL: mlp | transformer | llama; MESHES: e.g. "1x2,2x1,2x2"; OPTIMIZERS: e.g. "sgd,adam".
+  Under `tfstrat launch --workers 2` (TF_CONFIG set): MESHES is one mesh over every worker's
+  devices (the CPU split into 2 on each), created first, and each worker writes OUT.<rank>.
 
 For each optimizer, trains the model on one device, then under ModelParallel on each mesh (the
 CPU split into 4 logical devices, the mesh over the first ones), from the same initial weights
@@ -22,7 +24,8 @@ import numpy as np
 
 import tfstrat
 
-tfstrat.split_cpu(4)
+ON_WORKERS = bool(os.environ.get("TF_CONFIG"))
+tfstrat.split_cpu(2 if ON_WORKERS else 4)
 
 import keras  # noqa: E402
 
@@ -117,9 +120,17 @@ def layout_map(mesh):
 
 
 def strategy_for(shape):
-    devices = [f"/device:CPU:{i}" for i in range(int(np.prod(shape)))]
-    mesh = tfstrat.DeviceMesh(shape, ["batch", "model"], devices=devices)
+    if ON_WORKERS:  # every worker's devices, by rank
+        mesh = tfstrat.DeviceMesh(shape, ["batch", "model"])
+    else:
+        devices = [f"/device:CPU:{i}" for i in range(int(np.prod(shape)))]
+        mesh = tfstrat.DeviceMesh(shape, ["batch", "model"], devices=devices)
     return tfstrat.ModelParallel(layout_map=layout_map(mesh), batch_dim_name="batch")
+
+
+if ON_WORKERS:  # the strategy first, before any TensorFlow op
+    (ONLY,) = MESHES.split(",")
+    WORKER_STRATEGY = strategy_for(tuple(int(s) for s in ONLY.split("x")))
 
 
 def diff(a, b) -> float:
@@ -154,7 +165,7 @@ for opt in OPTIMIZERS.split(","):
     ref_loss = reference.evaluate(x, y, batch_size=BATCH, verbose=0)[0]
     for text in MESHES.split(","):
         shape = tuple(int(s) for s in text.split("x"))
-        strategy = strategy_for(shape)
+        strategy = WORKER_STRATEGY if ON_WORKERS else strategy_for(shape)
         with strategy.scope():
             model = build(opt)
         start = model.get_weights()
@@ -226,5 +237,7 @@ for opt in OPTIMIZERS.split(","):
             results["resumed"] = diff(model.get_weights(), resumed.get_weights())
             results["resumed_slots"] = diff(model.optimizer.variables, resumed.optimizer.variables)
 
+if ON_WORKERS:
+    OUT = f"{OUT}.{WORKER_STRATEGY.worker_index}"
 with open(OUT, "w") as f:
     json.dump(results, f)

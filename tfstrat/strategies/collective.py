@@ -264,7 +264,7 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
         if count and count > 1:
             _check_cpu_split(count)
         names = [f"/device:CPU:{i}" for i in range(count)] if count else []
-        tcp = _use_tcp(communication, count, tf_config)
+        tcp = self._uses_tcp_ring(communication, count, tf_config)
         implementation = _common.communication_implementation(
             "ring" if communication == "tcp" else communication,
             names or [f"/device:GPU:{i}" for i in range(_num_gpus())],
@@ -322,8 +322,8 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
             self._stop = _stopping.StopAgreement(self._epoch_sum, _task_name_of(tf_config))
             self._agree(_agreement.describe(tf_config, (), self._agreement_options))
         logger.info(
-            "tfstrat: CollectiveAllReduce, worker %d of %d, %d replica(s) in sync, %s, "
-            "timeout %s s",
+            "tfstrat: %s, worker %d of %d, %d replica(s) in sync, %s, timeout %s s",
+            type(self).__name__,
             self.extended._id_in_cluster,
             self.extended._num_workers,
             self.num_replicas_in_sync,
@@ -337,6 +337,9 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
                 "tfstrat: no TF_CONFIG, so this process is the only worker; for more, run it "
                 "under `tfstrat launch --workers N -- python ...` (or set TF_CONFIG per task)"
             )
+
+    def _uses_tcp_ring(self, communication: str, count: int | None, tf_config) -> bool:
+        return _use_tcp(communication, count, tf_config)
 
     def _connect_ring(self, timeout: float) -> ring.Ring:
         """Every worker listens on its tfstrat port (TF_CONFIG port + 1) at its own address
@@ -396,7 +399,7 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
             rows = ring_.all_gather(padded)
         else:
             gather = lambda t: self.experimental_local_results(  # noqa: E731
-                self.run(lambda: tf.distribute.get_replica_context().all_gather(t, 0))
+                self.run(lambda: tf.distribute.get_replica_context().all_gather(tf.identity(t), 0))
             )[0].numpy()
             local = len(self.extended.worker_devices)
             lengths = gather(tf.constant([[len(payload)]], tf.int32))[::local, 0]

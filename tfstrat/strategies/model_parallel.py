@@ -23,6 +23,7 @@ part, `PerReplica`/`Mirrored` values to hand each replica its own result from `m
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import tensorflow as tf
@@ -122,6 +123,23 @@ def _plan_keras_variables() -> None:
     )
 
 
+def _once_per_slice(fn, mesh):
+    """`fn` (a predict step) whose outputs are empty on every replica but model coordinate
+    0's: the devices of a model group compute the same rows, which `predict` returns once."""
+
+    @functools.wraps(fn)
+    def step(*args, **kwargs):
+        from tfstrat.mesh import collectives
+
+        outputs = fn(*args, **kwargs)
+        if mesh.model_index(collectives.replica()) == 0:
+            return outputs
+        none = lambda t: t[:0] if isinstance(t, tf.Tensor) and t.shape.rank else t  # noqa: E731
+        return tf.nest.map_structure(none, outputs)
+
+    return step
+
+
 def _device_mesh(layout_map, device_mesh):
     if layout_map is None and device_mesh is None:
         raise UsageError(
@@ -147,6 +165,8 @@ def _worker_count(tf_config) -> int:
 class _OnMesh:
     """What both ModelParallel classes share: planning variables, preparing layers, clipping,
     input and results (the strategy's `mesh`, `layout_map`, `planned`)."""
+
+    mesh = None  # until set up (a multi-worker start-up runs collectives before)
 
     def _mesh_setup(self, mesh, layout_map) -> None:
         self.extended._tfstrat_mesh = mesh
@@ -181,10 +201,12 @@ class _OnMesh:
     def run(self, fn, args=(), kwargs=None, options=None):
         from tfstrat.strategies import _compute
 
-        model = getattr(fn, "__self__", None)
-        model = _compute.keras_predict_model(fn) or model
+        predicting = _compute.keras_predict_model(fn)
+        model = predicting or getattr(fn, "__self__", None)
         if model is not None and hasattr(model, "_flatten_layers"):
             self._tfstrat_prepare_model(model)
+        if predicting is not None and self.mesh is not None and self.mesh.model_size > 1:
+            fn = _once_per_slice(fn, self.mesh)
         return super().run(fn, args=args, kwargs=kwargs, options=options)
 
     def _tfstrat_prepare_model(self, model) -> None:
@@ -257,19 +279,6 @@ class _OnMesh:
         return _common.name_empty_input(
             self.distribute_datasets_from_function(lambda _: expanded, options)
         )
-
-    def experimental_local_results(self, value):
-        """One result per slice of the batch (the model group's devices computed the same
-        outputs): what Keras concatenates for `predict`."""
-        results = super().experimental_local_results(value)
-        if self.mesh.model_size == 1 or not isinstance(value, tf.distribute.DistributedValues):
-            return results
-        mesh = self.mesh
-        if isinstance(value, tf.Variable) or len(results) != len(mesh.local):
-            return results
-        firsts = [k for k, r in enumerate(mesh.local) if mesh.model_index(r) == 0]
-        firsts.sort(key=lambda k: mesh.data_index(mesh.local[k]))
-        return tuple(results[k] for k in firsts)
 
 
 class ModelParallel(_OnMesh, _common.AdoptsKerasOptimizers, tf.distribute.MirroredStrategy):
@@ -347,7 +356,7 @@ class ModelParallelOnWorkers(_OnMesh, collective.CollectiveAllReduce):
         super().__init__(
             tf_config,
             devices=count if count > 1 else None,
-            communication="ring",
+            communication="auto",
             timeout=timeout,
             _agree_on={"mesh": list(device_mesh.shape), "axes": list(device_mesh.axis_names)},
         )
@@ -356,10 +365,13 @@ class ModelParallelOnWorkers(_OnMesh, collective.CollectiveAllReduce):
             for task in _task_prefixes(tf_config)
         ]
         mesh = Mesh.of(device_mesh, batch_dim_name, (self.worker_index, names))
-        t = timeout or collective.DEFAULT_TIMEOUT
-        ring = self._connect_ring(t)
+        ring = self.extended._cross_device_ops.ring  # the start-up's (`_uses_tcp_ring`)
         self.extended._cross_device_ops = DataAxisReduce(mesh, ring)
         self._mesh_setup(mesh, layout_map)
+
+    def _uses_tcp_ring(self, communication, count, tf_config) -> bool:
+        """The batch axis's sums go over tfstrat's ring whatever the devices per worker."""
+        return _worker_count(tf_config) > 1
 
 
 def _task_prefixes(tf_config) -> list[str]:
