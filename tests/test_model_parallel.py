@@ -3,8 +3,8 @@
 Each case runs in a fresh interpreter (the CPU is split before TensorFlow's runtime starts):
 `workers/model_parallel_equiv.py` trains a model on one device and under ModelParallel on each
 mesh, from the same weights on the same global batches. The default run covers every mesh with
-the MLP and one mesh each of the Transformer block and keras-hub's Llama; `-m matrix` runs
-every model on every mesh with both optimizers.
+the MLP, keras-hub's Llama on a (2, 2) mesh and the Transformer block on 2 workers of 2 devices
+each; `-m matrix` runs every model on every mesh with both optimizers, and on workers.
 """
 
 import json
@@ -76,6 +76,7 @@ def test_mlp_on_every_mesh_with_checkpoints(tmp_path):
     assert "column-parallel" in err and "down (Dense): kernel (16, 12) split on dimension 0" in err
 
 
+@pytest.mark.matrix
 @pytest.mark.timeout(600)
 def test_transformer_block_on_a_2x2_mesh(tmp_path):
     """Vocabulary-parallel Embedding, MultiHeadAttention split by heads, an MLP, a
