@@ -77,6 +77,25 @@ def test_allreduce_quick_writes_the_table(tmp_path, capsys):
     assert (tmp_path / "allreduce.png").stat().st_size > 0
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_model_parallel_quick_fits_wider_models_in_the_same_bytes(tmp_path, capsys):
+    code = main(["bench", "model-parallel", "--quick", "--out", str(tmp_path)])
+    assert code == 0, capsys.readouterr()
+    rows = json.loads((tmp_path / "model-parallel.json").read_text())
+    assert [r["row"] for r in rows] == ["DP-2", "MP-1x2", "MP-1x4"]
+    for r in rows:
+        assert max(r["held_bytes"]) == r["bookkeeping_bytes"] <= r["budget_bytes"], r
+    dp, mp2, mp4 = rows
+    assert dp["dim"] < mp2["dim"] < mp4["dim"] and dp["params"] < mp2["params"] < mp4["params"]
+    # Data parallel moves gradients over the batch axis only; ModelParallel (1, n) the
+    # layers' activations within the model group only.
+    assert dp["model_axis_bytes"] == 0 and dp["batch_axis_bytes"] > 0
+    assert mp2["batch_axis_bytes"] == 0 and mp2["model_axis_bytes"] > 0
+    assert "not a speed measure" in (tmp_path / "model-parallel.md").read_text()
+    assert (tmp_path / "model-parallel.png").stat().st_size > 0
+
+
 @pytest.mark.cluster
 @pytest.mark.slow
 def test_sparse_quick_writes_the_table(tmp_path, capsys):

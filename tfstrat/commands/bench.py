@@ -1,4 +1,5 @@
-"""`tfstrat bench scaling|sparse|allreduce`: the benchmarks, as a table and a plot."""
+"""`tfstrat bench scaling|sparse|allreduce|model-parallel`: the benchmarks, as a table and a
+plot."""
 
 from __future__ import annotations
 
@@ -38,7 +39,16 @@ def _run(args) -> int:
     if not workers or min(workers) < 1 or len(workers) != len(_args.csv(args.workers)):
         print(f"tfstrat bench: --workers {args.workers!r} must list counts >= 1", file=sys.stderr)
         return _args.EXIT_USAGE
-    if args.name == "allreduce":
+    if args.name == "model-parallel":
+        from tfstrat.bench.model_parallel import ModelParallelConfig
+        from tfstrat.bench.model_parallel import run as run_model_parallel
+
+        sizes = dict(steps=args.steps, repeats=args.repeats, budget_mib=args.budget_mib)
+        if args.quick:  # seconds per row, numbers meaningless
+            sizes = dict(steps=2, repeats=1, budget_mib=0.5, vocab=256, seq=8, batch=4)
+        rows = run_model_parallel(ModelParallelConfig(out=args.out, **sizes))
+        ok = all("error" not in r for r in rows)
+    elif args.name == "allreduce":
         from tfstrat.bench.allreduce import DEFAULT_SIZES, AllReduceConfig
         from tfstrat.bench.allreduce import run as run_allreduce
 
@@ -91,7 +101,7 @@ def _run(args) -> int:
             rows=_args.csv(args.rows) if args.rows else None,
         )
         run = run_scaling
-    if args.name != "allreduce":
+    if args.name not in ("allreduce", "model-parallel"):
         try:
             rows = run(config)
         except UnknownRows as e:
@@ -107,9 +117,10 @@ def add_parser(sub) -> None:
     """The `tfstrat bench` subcommand, added to the parser `main` builds."""
     p = sub.add_parser(
         "bench",
-        help="benchmarks: scaling (Mirrored vs CollectiveAllReduce), sparse (embeddings), allreduce",
+        help="benchmarks: scaling (Mirrored vs CollectiveAllReduce), sparse (embeddings), "
+        "allreduce, model-parallel (the largest Transformer per device)",
     )
-    p.add_argument("name", choices=["scaling", "sparse", "allreduce"])
+    p.add_argument("name", choices=["scaling", "sparse", "allreduce", "model-parallel"])
     g = p.add_argument_group("Cluster")
     g.add_argument(
         "--workers", default=_args.env("bench-workers", "1,2"), help="worker counts, e.g. 1,2,3"
@@ -132,6 +143,12 @@ def add_parser(sub) -> None:
         "--vocab",
         default=_args.env("vocab"),
         help="sparse: table rows, one run of the rows per value, e.g. 200000,2000000",
+    )
+    g.add_argument(
+        "--budget-mib",
+        type=float,
+        default=_args.env("budget-mib", 8.0, float),
+        help="model-parallel: bytes per device for the variables and Adam's slots, in MiB",
     )
     g = p.add_argument_group("Output")
     g.add_argument("--peer", action="store_true", default=_args.env("peer", False, bool))

@@ -35,6 +35,40 @@ from tfstrat._compat.tf import values as tf_values
 from tfstrat.mesh.layout import Mesh
 
 
+class Traffic:
+    """Bytes one device moves in the steps run while counting (`start()`; off by default: no
+    op is added to a step), by ring arithmetic: an all-reduce of S bytes over a group of n
+    moves 2(n-1)/n x S; an all-gather of n parts of S bytes each (n - 1) x S. Counted as the
+    steps run (sizes known then), for the first of this process's replicas, by kind: "model
+    axis" (the layers' exchanges) and "batch axis" (the step's sums)."""
+
+    def __init__(self):
+        self.counters: dict[str, tf.Variable] | None = None
+
+    def start(self) -> None:
+        with tf.init_scope(), tf.device("/device:CPU:0"):
+            self.counters = {
+                kind: tf.Variable(0.0, dtype=tf.float64, trainable=False)
+                for kind in ("model axis", "batch axis")
+            }
+
+    def read(self) -> dict[str, float]:
+        return {k: float(v.numpy()) for k, v in (self.counters or {}).items()}
+
+    def add(self, kind: str, x, factor: float) -> None:
+        if self.counters is None:
+            return
+        x = x.values if isinstance(x, tf.IndexedSlices) else x
+        nbytes = tf.cast(tf.size(x), tf.float64) * (x.dtype.size * factor)
+        with tf.device("/device:CPU:0"):
+            self.counters[kind].assign_add(nbytes)
+
+
+def _traffic() -> Traffic | None:
+    ops = getattr(tf.distribute.get_strategy().extended, "_cross_device_ops", None)
+    return getattr(ops, "traffic", None)
+
+
 def _mesh() -> Mesh:
     strategy = tf.distribute.get_strategy()
     return strategy.extended._tfstrat_mesh
@@ -58,7 +92,16 @@ def _over_model_group(x, combine):
     return context.merge_call(merge, args=(x,))
 
 
+def _record(x, factor: float) -> None:
+    traffic, mesh = _traffic(), _mesh()
+    context = tf.distribute.get_replica_context()
+    if traffic is not None and context is not None and replica() == mesh.local[0]:
+        traffic.add("model axis", x, factor)
+
+
 def _sum(x):
+    n = model_size()
+    _record(x, 2 * (n - 1) / n)
     return _over_model_group(x, lambda _, parts: tf.add_n([tf.identity(p) for p in parts]))
 
 
@@ -68,6 +111,7 @@ def model_sum(x):
 
 
 def _concat(x, axis: int):
+    _record(x, model_size() - 1)  # this device's part to every other device
     return _over_model_group(x, lambda _, parts: tf.concat(parts, axis))
 
 
@@ -145,6 +189,7 @@ class DataAxisReduce(tf.distribute.CrossDeviceOps):
         super().__init__()
         self.mesh = mesh
         self.ring = ring
+        self.traffic = Traffic()
         from tfstrat.reduce.cross_device import RingCalls
 
         self._ring_calls = RingCalls()
@@ -165,6 +210,10 @@ class DataAxisReduce(tf.distribute.CrossDeviceOps):
         parts, mesh = self._parts(value), self.mesh
         model_of = [mesh.model_index(r) for r in mesh.local]
         coordinates, sums = sorted(set(model_of)), []
+        n, first = mesh.data_size, parts[0]
+        gathers = isinstance(first, tf.IndexedSlices)  # rows: all-gathered
+        if n > 1:
+            self.traffic.add("batch axis", first, (n - 1) * (1 if gathers else 2 / n))
         for m in coordinates:
             members = [k for k in range(len(parts)) if model_of[k] == m]
             with tf.device(mesh.local_devices[members[0]]):
