@@ -6,8 +6,8 @@ on every device, under data parallelism (every variable whole on each device) an
 `ModelParallel` meshes (1, 2) and (1, 4) with Megatron-LM's layout (embedding by rows,
 attention by heads, MLP column then row, logits by columns). It then trains it for a few steps
 on logical CPUs and reports the bytes each device holds, read from the devices' variables (the
-bookkeeping must agree), and the bytes each device moves per step, from tfstrat's record of
-the traced step: within the model group (the layers' exchanges) and over the batch axis (the
+bookkeeping must agree), and the bytes each device moves per step, counted as the steps run
+(`tfstrat.mesh.collectives.Traffic`): within the model group (the layers' exchanges) and over the batch axis (the
 gradients). Step times on logical CPUs of one machine share its cores: they are not a speed
 measure, and the table says so.
 """
@@ -143,9 +143,10 @@ def table(rows, c: ModelParallelConfig) -> str:
         f"Dense 4 x width then width, LayerNormalization), logits; vocabulary {c.vocab}, "
         f"{c.seq} tokens per sequence, batch {c.batch}; the widest that fits (a multiple of "
         "the heads). Measured MiB: the most any device holds, read from the devices' "
-        "variables. Bytes moved: what each device sends per training step by ring "
-        "arithmetic (an all-reduce of S over n devices 2(n-1)/n x S, an all-gather (n-1)/n "
-        "of the whole), from tfstrat's record of the traced step. Step times: median of "
+        "variables. Bytes moved: what one device sends per training step by ring arithmetic "
+        "(an all-reduce of S bytes over n devices 2(n-1)/n x S, an all-gather (n-1)/n of the "
+        "whole), counted by tfstrat as the timed steps ran: within the model group (the "
+        "layers' exchanges) and over the batch axis (the gradients). Step times: median of "
         f"{c.repeats} timed epochs of {c.steps} steps, all devices logical CPUs of one "
         f"machine sharing its {m.get('cpus')} CPUs: not a speed measure. Machine: "
         f"{m.get('cpu')}, TensorFlow {m.get('tensorflow')}, Keras {m.get('keras')}."
