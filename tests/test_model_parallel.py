@@ -142,6 +142,8 @@ def test_two_workers_every_model(model, tmp_path):
 
 @pytest.mark.timeout(300)
 def test_layouts_it_cannot_apply_are_named_before_the_first_step(tmp_path):
+    """Errors that name the variable, the rule and the fix; a warning for a rule that matches
+    nothing; a layer tfstrat does not split; Keras's own mesh classes and tied logits."""
     out = tmp_path / "layouts.json"
     proc = subprocess.run(
         [sys.executable, "model_parallel_layouts.py", str(out)],
@@ -174,3 +176,7 @@ def test_layouts_it_cannot_apply_are_named_before_the_first_step(tmp_path):
     )
     assert r["whole_parts"] == [[3, 3, 2], [3, 3, 2]]
     assert r["whole_diff"] <= TOLERANCE
+    # Keras's own DeviceMesh and LayoutMap; a tied table: the lookup and the logits by rows.
+    assert len(r["tied_line"]) == 1 and "vocabulary-parallel" in r["tied_line"][0]
+    assert r["tied_parts"] == [[16, 8], [16, 8]]
+    assert r["tied_diff"] <= TOLERANCE

@@ -1,9 +1,10 @@
 """ModelParallel's answers to layouts it cannot apply, and to a layer it does not split.
 
 Usage: python model_parallel_layouts.py OUT.json
-Writes, per case, the error's type and message (or None), and for the layer tfstrat does not
-split (a Conv1D whose kernel a rule splits): its start-up line and its difference from one
-device after training.
+Writes, per case, the error's type and message (or None); for the layer tfstrat does not
+split (a Conv1D whose kernel a rule splits) and for a tied ReversibleEmbedding under Keras's own
+DeviceMesh and LayoutMap: the start-up line, the parts, and the difference from one device
+after training.
 """
 
 import json
@@ -113,6 +114,46 @@ results["whole_diff"] = max(
     float(np.max(np.abs(a - b))) for a, b in zip(reference.get_weights(), model.get_weights())
 )
 results["whole_parts"] = [list(p.shape) for p in model.get_layer("conv").kernel._value.values]
+
+
+# Keras's own mesh and layout classes, and ReversibleEmbedding's tied logits, in a subclassed
+# model: vocabulary-parallel both ways.
+class TiedLM(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.tokens = keras.layers.ReversibleEmbedding(32, 8, tie_weights=True, name="tokens")
+        self.mix = keras.layers.Dense(8, activation="tanh", name="mix")
+
+    def call(self, ids):
+        return self.tokens(self.mix(self.tokens(ids)), reverse=True)
+
+
+def tied():
+    keras.utils.set_random_seed(3)
+    model = TiedLM()
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    model(np.zeros((1, 5), "int32"))
+    return model
+
+
+ids = rng.integers(0, 32, size=(24, 5)).astype("int32")
+reference = tied()
+reference.fit(ids, np.roll(ids, -1, 1), batch_size=8, epochs=2, shuffle=False, verbose=0)
+mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], devices=["cpu:0", "cpu:1"])
+layout = keras.distribution.LayoutMap(mesh)
+layout[".*tokens/embeddings"] = ("model", None)
+lines.lines.clear()
+with tfstrat.ModelParallel(layout_map=layout, batch_dim_name="batch").scope():
+    model = tied()
+model.fit(ids, np.roll(ids, -1, 1), batch_size=8, epochs=2, shuffle=False, verbose=0)
+results["tied_line"] = [line for line in lines.lines if "(ReversibleEmbedding)" in line]
+results["tied_diff"] = max(
+    float(np.max(np.abs(a - b))) for a, b in zip(reference.get_weights(), model.get_weights())
+)
+results["tied_parts"] = [list(p.shape) for p in model.tokens._embeddings._value.values]
 
 with open(OUT, "w") as f:
     json.dump(results, f)
