@@ -15,6 +15,7 @@ weights load into the sharded model, and BackupAndRestore resumes where an unint
 ends.
 """
 
+import hashlib
 import json
 import os
 import sys
@@ -183,6 +184,9 @@ for opt in OPTIMIZERS.split(","):
                 ),
                 "evaluate": abs(ref_loss - model.evaluate(x, y, batch_size=BATCH, verbose=0)[0]),
                 "held": held(model),
+                "digest": hashlib.sha1(
+                    b"".join(np.asarray(w).tobytes() for w in model.get_weights())
+                ).hexdigest(),
             }
         )
         if CHECKPOINTS and len(results["cases"]) == 1:
