@@ -19,6 +19,13 @@ MESHES = "1x2,2x1,2x2"
 STEPS = {"mlp": 12, "transformer": 8, "llama": 8}  # 44 or 28 rows, batches of 8, 2 epochs
 
 
+@pytest.fixture
+def matrix_only(request):
+    """The full matrix runs when `-m` names it (`scripts/test -m matrix`), not by default."""
+    if "matrix" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("the full ModelParallel matrix: run it with `-m matrix`")
+
+
 def _run(tmp_path, *args, timeout=420):
     out = tmp_path / "result.json"
     proc = subprocess.run(
@@ -77,6 +84,7 @@ def test_mlp_on_every_mesh_with_checkpoints(tmp_path):
 
 
 @pytest.mark.matrix
+@pytest.mark.usefixtures("matrix_only")
 @pytest.mark.timeout(600)
 def test_transformer_block_on_a_2x2_mesh(tmp_path):
     """Vocabulary-parallel Embedding, MultiHeadAttention split by heads, an MLP, a
@@ -97,6 +105,7 @@ def test_keras_hub_llama_with_its_own_layout_map(tmp_path):
 
 
 @pytest.mark.matrix
+@pytest.mark.usefixtures("matrix_only")
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("model", ["transformer", "llama"])
 def test_every_mesh_and_optimizer(model, tmp_path):
@@ -104,23 +113,24 @@ def test_every_mesh_and_optimizer(model, tmp_path):
     _check(result, MESHES, "sgd,adam", steps=STEPS[model])
 
 
-def _on_workers(tmp_path, model, optimizer):
+def _on_workers(tmp_path, model, optimizer, mesh="2x2"):
     from cluster import launch_script
 
     out = tmp_path / "result.json"
-    code, output = launch_script("model_parallel_equiv.py", model, "2x2", optimizer, str(out))
+    code, output = launch_script("model_parallel_equiv.py", model, mesh, optimizer, str(out))
     assert code == 0, output[-4000:]
     results = [json.loads((tmp_path / f"result.json.{rank}").read_text()) for rank in (0, 1)]
     return results, output
 
 
-def _check_workers(results, output, model, optimizer):
+def _check_workers(results, output, model, optimizer, mesh="2x2"):
     for result in results:
-        _check(result, "2x2", optimizer, steps=STEPS[model], devices_here=2)
+        _check(result, mesh, optimizer, steps=STEPS[model], devices_here=2)
     # The workers end with the same weights, bit for bit (each within 1e-5 of one device).
     for mine, theirs in zip(results[0]["cases"], results[1]["cases"], strict=True):
         assert mine["digest"] == theirs["digest"], (mine["optimizer"], "workers differ")
-    assert "ModelParallel over a mesh (2, 2) (batch, model), 2 replica(s) here" in output
+    shape = tuple(int(n) for n in mesh.split("x"))
+    assert f"ModelParallel over a mesh {shape} (batch, model)" in output
 
 
 @pytest.mark.cluster
@@ -132,7 +142,17 @@ def test_two_workers_of_two_devices_each(tmp_path):
     _check_workers(results, output, "transformer", "adam")
 
 
+@pytest.mark.cluster
+@pytest.mark.timeout(600)
+def test_two_workers_of_one_device_each(tmp_path):
+    """A (2, 1) mesh as 2 workers x 1 device: each step's sums still cross the workers (the
+    data-parallel end of the mesh)."""
+    results, output = _on_workers(tmp_path, "mlp", "sgd", mesh="2x1")
+    _check_workers(results, output, "mlp", "sgd", mesh="2x1")
+
+
 @pytest.mark.matrix
+@pytest.mark.usefixtures("matrix_only")
 @pytest.mark.cluster
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("model", ["mlp", "transformer", "llama"])
@@ -181,3 +201,8 @@ def test_layouts_it_cannot_apply_are_named_before_the_first_step(tmp_path):
     assert len(r["tied_line"]) == 1 and "vocabulary-parallel" in r["tied_line"][0]
     assert r["tied_parts"] == [[16, 8], [16, 8]]
     assert r["tied_diff"] <= TOLERANCE
+    # A model built by its first call: whole shapes, equal to one device.
+    assert r["lazy_shapes"][0] == [6, 16] and r["lazy_shapes"][2] == [16, 3], r["lazy_shapes"]
+    assert r["lazy_diff"] <= TOLERANCE
+    assert r["rows_counted"] == [20.0, 20.0]  # each slice of the batch counted once
+    assert r["two_inputs_predict"][0] == [10, 2] and r["two_inputs_predict"][1] <= TOLERANCE

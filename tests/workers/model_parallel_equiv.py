@@ -3,7 +3,7 @@
 Usage: python model_parallel_equiv.py MODEL MESHES OPTIMIZERS OUT.json [--checkpoints]
   MODEL: mlp | transformer | llama; MESHES: e.g. "1x2,2x1,2x2"; OPTIMIZERS: e.g. "sgd,adam".
   Under `tfstrat launch --workers 2` (TF_CONFIG set): MESHES is one mesh over every worker's
-  devices (the CPU split into 2 on each), created first, and each worker writes OUT.<rank>.
+  devices (the CPU split alike on each), created first, and each worker writes OUT.<rank>.
 
 For each optimizer, trains the model on one device, then under ModelParallel on each mesh (the
 CPU split into 4 logical devices, the mesh over the first ones), from the same initial weights
@@ -26,7 +26,13 @@ import numpy as np
 import tfstrat
 
 ON_WORKERS = bool(os.environ.get("TF_CONFIG"))
-tfstrat.split_cpu(2 if ON_WORKERS else 4)
+if ON_WORKERS:  # the mesh's devices over the workers: as many on each
+    _cluster = json.loads(os.environ["TF_CONFIG"])["cluster"]
+    _workers = len(_cluster.get("chief", [])) + len(_cluster.get("worker", []))
+    _size = int(np.prod([int(n) for n in sys.argv[2].split("x")]))
+    tfstrat.split_cpu(_size // _workers)
+else:
+    tfstrat.split_cpu(4)
 
 import keras  # noqa: E402
 

@@ -155,5 +155,68 @@ results["tied_diff"] = max(
 )
 results["tied_parts"] = [list(p.shape) for p in model.tokens._embeddings._value.values]
 
+
+# A Sequential without an Input, built by its first call (column then row), a metric that
+# counts rows (each slice of the batch once), and predict of a model with two inputs.
+class Rows(keras.metrics.Metric):
+    def __init__(self, name="rows"):
+        super().__init__(name=name)
+        self.n = self.add_variable(shape=(), initializer="zeros", aggregation="sum", name="n")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.n.assign_add(keras.ops.cast(keras.ops.shape(y_true)[0], "float32"))
+
+    def result(self):
+        return self.n
+
+
+def lazy():
+    keras.utils.set_random_seed(4)
+    model = keras.Sequential(
+        [keras.layers.Dense(16, name="up"), keras.layers.Dense(3, name="down")]
+    )
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=[Rows()])
+    return model
+
+
+xs, ys = rng.normal(size=(20, 6)).astype("float32"), rng.normal(size=(20, 3)).astype("float32")
+reference = lazy()
+reference.fit(xs, ys, batch_size=8, epochs=2, shuffle=False, verbose=0)
+mesh = tfstrat.DeviceMesh((1, 2), ["batch", "model"], devices=TWO)
+layout = tfstrat.LayoutMap(mesh)
+layout[".*up/kernel"] = (None, "model")
+layout[".*down/kernel"] = ("model", None)
+with tfstrat.ModelParallel(layout_map=layout).scope():
+    model = lazy()
+model.fit(xs, ys, batch_size=8, epochs=2, shuffle=False, verbose=0)
+results["lazy_diff"] = max(
+    float(np.max(np.abs(a - b))) for a, b in zip(reference.get_weights(), model.get_weights())
+)
+results["lazy_shapes"] = [list(w.shape) for w in model.weights]
+results["rows_counted"] = [
+    reference.evaluate(xs, ys, batch_size=8, verbose=0, return_dict=True)["rows"],
+    model.evaluate(xs, ys, batch_size=8, verbose=0, return_dict=True)["rows"],
+]
+
+
+def two_inputs():
+    keras.utils.set_random_seed(5)
+    a, b = keras.Input((3,)), keras.Input((4,))
+    h = keras.layers.Dense(8, name="both")(keras.layers.Concatenate()([a, b]))
+    model = keras.Model([a, b], keras.layers.Dense(2, name="out")(h))
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+pair = (rng.normal(size=(10, 3)).astype("float32"), rng.normal(size=(10, 4)).astype("float32"))
+layout = tfstrat.LayoutMap(mesh)
+layout["both/kernel"] = (None, "model")
+reference = two_inputs()
+with tfstrat.ModelParallel(layout_map=layout).scope():
+    model = two_inputs()
+expected = reference.predict(pair, batch_size=4, verbose=0)
+got = model.predict(pair, batch_size=4, verbose=0)
+results["two_inputs_predict"] = [list(got.shape), float(np.max(np.abs(expected - got)))]
+
 with open(OUT, "w") as f:
     json.dump(results, f)

@@ -40,8 +40,8 @@ class ModelParallelConfig:
     layers: int = 2
     heads: int = 8
     batch: int = 16
-    steps: int = 10
-    repeats: int = 2
+    steps: int = 20
+    repeats: int = 3
     out: str = "bench-out"
 
 
@@ -71,12 +71,15 @@ def run(config: ModelParallelConfig) -> list[dict]:
         worker = {**dataclasses.asdict(config), "mesh": list(mesh), "dim": dim}
         worker.pop("out")
         worker.pop("budget_mib")
-        proc = subprocess.run(
-            [sys.executable, "-m", WORKER, json.dumps(worker)],
-            capture_output=True,
-            text=True,
-            timeout=1800,
-        )
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-m", WORKER, json.dumps(worker)],
+                capture_output=True,
+                text=True,
+                timeout=1800,
+            )
+        except subprocess.TimeoutExpired:
+            proc = subprocess.CompletedProcess([], 124, "", "Error: the row took over 1800 s")
         row = {
             "row": row_id,
             "strategy": label,

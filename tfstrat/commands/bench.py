@@ -23,7 +23,7 @@ def run(args) -> int:
         code = e.code if isinstance(e, _report.Interrupted) else _report.INTERRUPTED_SIGINT
         kept = (
             "nothing written"
-            if args.name == "allreduce"
+            if args.name in ("allreduce", "model-parallel")
             else f"the rows measured before it are in {args.out}"
         )
         print(f"tfstrat bench: interrupted; {kept}", file=sys.stderr)

@@ -25,17 +25,25 @@ logger = logging.getLogger(__name__)
 _installed = False
 
 
-def _has_ps_tables(model) -> bool:
+def _without_xla(model) -> bool:
+    """Whether `model` runs without XLA under jit_compile=True (said once): its forward pass
+    calls the ps (ps-held tables) or exchanges with other devices (ModelParallel's model
+    axis), which XLA cannot compile."""
     from tfstrat.keras._ps_tables import holds_tables
 
-    if not holds_tables(model):
+    mesh = getattr(getattr(model._distribute_strategy, "extended", None), "_tfstrat_mesh", None)
+    if holds_tables(model):
+        why = "its tables are on the ps tasks, and the lookups are calls to the ps"
+    elif mesh is not None and mesh.model_size > 1:
+        why = "ModelParallel's layers exchange activations between the devices in each step"
+    else:
         return False
     if not getattr(model, "_tfstrat_no_xla_said", False):
         model._tfstrat_no_xla_said = True
         logger.info(
-            "tfstrat: jit_compile=True: %s runs without XLA (its tables are on the ps tasks, "
-            "and the lookups are calls to the ps, which XLA cannot compile)",
+            "tfstrat: jit_compile=True: %s runs without XLA (%s, which XLA cannot compile)",
             model.name,
+            why,
         )
     return True
 
@@ -55,7 +63,7 @@ def install() -> None:
         strategy = self._distribute_strategy
         tfstrat = strategy is not None and type(strategy).__module__.startswith("tfstrat.")
         jit = bool(tfstrat and not self.run_eagerly and self.jit_compile)
-        self._tfstrat_jit = jit and not _has_ps_tables(self)
+        self._tfstrat_jit = jit and not _without_xla(self)
         if not jit:
             return keras_make_function(self, step_function)
         self._jit_compile = False  # read once, as the function is made
@@ -66,8 +74,8 @@ def install() -> None:
 
     def make_predict_function(self, force=False):
         # Keras compiles predict's per-replica step itself (each replica apart): only a
-        # model whose lookups call the ps must be built without XLA.
-        if not (self.jit_compile and not self.run_eagerly and _has_ps_tables(self)):
+        # model whose forward pass calls the ps or other devices must be built without XLA.
+        if not (self.jit_compile and not self.run_eagerly and _without_xla(self)):
             return keras_make_predict_function(self, force)
         self._jit_compile = False
         try:
@@ -81,6 +89,6 @@ def install() -> None:
         TensorFlowTrainer,
         "make_predict_function",
         make_predict_function,
-        "no XLA for a model whose lookups call the ps",
+        "no XLA for a model whose forward pass calls the ps or other devices",
     )
     _installed = True

@@ -32,7 +32,9 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfstrat._compat.tf import values as tf_values
+from tfstrat.errors import UsageError
 from tfstrat.mesh.layout import Mesh
+from tfstrat.reduce.cross_device import RingCalls, packable
 
 
 class Traffic:
@@ -106,7 +108,7 @@ def _sum(x):
 
 
 def model_sum(x):
-    """The sum of `x` over the model group (no gradient: for the norms of a step's parts)."""
+    """The sum of `x` over the model group, outside any gradient (a step's norms)."""
     return _sum(x)
 
 
@@ -123,7 +125,15 @@ def replica() -> int:
 
 def _part(x, axis: int, parts: int):
     index = _mesh().model_index(replica())
-    size = x.shape[axis] // parts
+    whole = x.shape[axis]
+    if whole is None:
+        whole = tf.shape(x)[axis]
+    elif whole % parts:
+        raise UsageError(
+            f"tfstrat ModelParallel: a tensor of shape {tuple(x.shape)} splits over the model "
+            f"axis ({parts} devices) along axis {axis}, whose size does not divide."
+        )
+    size = whole // parts
     begin = [0] * x.shape.rank
     begin[axis] = index * size
     shape = tf.unstack(tf.shape(x))
@@ -190,14 +200,18 @@ class DataAxisReduce(tf.distribute.CrossDeviceOps):
         self.mesh = mesh
         self.ring = ring
         self.traffic = Traffic()
-        from tfstrat.reduce.cross_device import RingCalls
-
         self._ring_calls = RingCalls()
 
+    @property
+    def _num_between_graph_workers(self):
+        # More than one: TensorFlow's shortcuts that return a one-device value unreduced
+        # (cross_device_ops.py) must not apply to one device per worker.
+        return self.ring.size if self.ring is not None else 1
+
     def _parts(self, value):
-        if isinstance(value, tf_values.DistributedValues):
-            return list(value.values)
-        return [value] * len(self.mesh.local)
+        """One value per device of this process (a value given once: the same on each)."""
+        parts = list(value.values) if isinstance(value, tf_values.DistributedValues) else [value]
+        return parts if len(parts) == len(self.mesh.local) else parts[:1] * len(self.mesh.local)
 
     def _to_every_device(self, destinations) -> bool:
         from tfstrat._compat.tf import cross_device_ops
@@ -227,8 +241,8 @@ class DataAxisReduce(tf.distribute.CrossDeviceOps):
             with tf.device(device):
                 total = _copy(sums[coordinates.index(mesh.model_index(mesh.local[k]))])
                 mean = reduce_op == tf.distribute.ReduceOp.MEAN
-                out.append(_scale(total, 1.0 / mesh.data_size) if mean else total)
-        return tf_values.Mirrored(out)
+                out.append(_scale(total, mesh.data_size) if mean else total)
+        return tf_values.PerReplica(out)  # one value per model coordinate
 
     def _reduce(self, reduce_op, value, destinations):
         if self._to_every_device(destinations):
@@ -245,7 +259,7 @@ class DataAxisReduce(tf.distribute.CrossDeviceOps):
             with tf.device(device):
                 total = _copy(total)
                 mean = reduce_op == tf.distribute.ReduceOp.MEAN
-                out.append(_scale(total, 1.0 / mesh.data_size) if mean else total)
+                out.append(_scale(total, mesh.data_size) if mean else total)
         return tf_values.Mirrored(out)
 
     def _batch(self, reduce_op, pairs):
@@ -271,10 +285,20 @@ class DataAxisReduce(tf.distribute.CrossDeviceOps):
         rows = [i for i in range(len(values)) if i not in dense]
         inputs, shapes = [], []
         if dense:
-            flat = tf.concat([tf.reshape(tf.cast(values[i], tf.float64), [-1]) for i in dense], 0)
+            # float32 when every value is (the ring's bytes); else float64, exact for the
+            # counts and float32 sums it carries.
+            same = all(values[i].dtype == tf.float32 for i in dense)
+            dtype = tf.float32 if same else tf.float64
+            flat = tf.concat([tf.reshape(tf.cast(values[i], dtype), [-1]) for i in dense], 0)
             inputs.append(flat)
             shapes.append(flat.shape)
         for i in rows:
+            if not packable(values[i]):
+                raise UsageError(
+                    f"tfstrat ModelParallel: a row gradient of dtype {values[i].values.dtype.name}"
+                    f" and rows {values[i].values.shape[1:]} cannot cross workers: tables "
+                    "across workers need float32 rows of a static width."
+                )
             packed = sparse.pack_rows(values[i], None)
             inputs.append(packed)
             shapes.append([None, packed.shape[1]])
@@ -291,6 +315,11 @@ class DataAxisReduce(tf.distribute.CrossDeviceOps):
         out = list(values)
         if dense:
             sizes = [values[i].shape.num_elements() for i in dense]
+            if None in sizes:
+                raise UsageError(
+                    "tfstrat ModelParallel: a value summed across workers has an unknown shape "
+                    f"({[tuple(values[i].shape) for i in dense]}); give it a static one."
+                )
             for i, piece in zip(dense, tf.split(outs[0], sizes)):
                 out[i] = tf.cast(tf.reshape(piece, values[i].shape), values[i].dtype)
         for i, everyone in zip(rows, outs[1 if dense else 0 :]):
@@ -321,6 +350,7 @@ class DataAxisReduce(tf.distribute.CrossDeviceOps):
         )
         with tf.device(self.mesh.local_devices[0]):
             local = tf.concat([tf.convert_to_tensor(p) for p in parts], axis)
+        with tf.device("/device:CPU:0"):
             if self.ring is not None:
                 if axis != 0:
                     raise NotImplementedError("tfstrat ModelParallel gathers along axis 0 only")
@@ -376,7 +406,10 @@ def _sum_parts(parts):
     return tf.add_n([tf.identity(p) for p in parts])
 
 
-def _scale(value, factor):
+def _scale(value, count: int):
+    """`value` divided by `count` (a MEAN; integer division for integers)."""
     if isinstance(value, tf.IndexedSlices):
-        return tf.IndexedSlices(value.values * factor, value.indices, value.dense_shape)
-    return value * tf.cast(factor, value.dtype)
+        return tf.IndexedSlices(_scale(value.values, count), value.indices, value.dense_shape)
+    if value.dtype.is_integer:
+        return value // count
+    return value / tf.cast(count, value.dtype)

@@ -28,10 +28,12 @@ elementwise operations may run (activations, dropout, products): Megatron-LM's r
 from __future__ import annotations
 
 import logging
+import threading
 
 import keras
 import tensorflow as tf
 
+from tfstrat.errors import UsageError
 from tfstrat.mesh import collectives
 from tfstrat.mesh.variables import ShardedVariable, is_sharded, whole_reads
 
@@ -110,7 +112,7 @@ def _position(spec: str, letter: str) -> int:
 def _plan_einsum(equation: str, kernel) -> tuple[str | None, int | None, int | None]:
     """("column", output axis, None) or ("row", None, input axis) for `kernel`'s split, or
     (None, None, None): computed whole."""
-    if not is_sharded(kernel) or equation.count("...") > 2 or "->" not in equation:
+    if not is_sharded(kernel) or "->" not in equation:
         return None, None, None
     inputs, output = equation.split("->")
     source, weights = inputs.split(",")
@@ -161,6 +163,8 @@ def _project(layer, inputs, equation: str, multiply, expected_last: int | None):
         if out_axis is not None and name not in _ELEMENTWISE:
             y, out_axis = collectives.gather(y, out_axis), None
         y = activation(y)
+    if out_axis is not None:
+        _split.note(y, out_axis)  # whole again if it leaves the model so
     return y
 
 
@@ -205,15 +209,11 @@ def _lookup(layer, inputs):
     return tf.cast(collectives.reduce(rows), layer.compute_dtype)
 
 
-def _embedding_call(layer, inputs):
-    return _lookup(layer, inputs)
-
-
 def _reversible_call(layer, original):
     def call(inputs, reverse=False):
         if not reverse:
-            if layer.mask_zero:
-                return original(inputs, reverse=reverse)
+            if layer.mask_zero:  # it sets the mask inside its call: whole table
+                return _whole_call(layer, original)(inputs, reverse=reverse)
             return _lookup(layer, inputs)
         table = layer._embeddings
         if not layer.tie_weights or table.sharding.dim != 0 or layer.logit_soft_cap is not None:
@@ -294,9 +294,9 @@ def _choose(layer):
                 kind = "vocabulary-parallel" if layer._embeddings.sharding.dim == 0 else "columns"
                 return kind, _reversible_call(layer, original)
     if isinstance(layer, keras.layers.Embedding) and _plain(layer, keras.layers.Embedding):
-        if names == {"embeddings"} and not layer.mask_zero:
+        if names == {"embeddings"}:  # Keras computes a mask_zero mask outside the call
             kind = "vocabulary-parallel" if layer._embeddings.sharding.dim == 0 else "columns"
-            return kind, lambda inputs: _embedding_call(layer, inputs)
+            return kind, lambda inputs: _lookup(layer, inputs)
     return "whole", _whole_call(layer, original)
 
 
@@ -311,26 +311,48 @@ def _keeps_call(layer, base) -> bool:
     return False
 
 
+def install_split(layer, strategy) -> str | None:
+    """Gives `layer`, if it owns a split variable, its call on the parts (once); returns its
+    start-up line. Run as soon as a layer is built (`Layer._maybe_build`), so that even the
+    call that built it computes on the parts, and again for every layer of a model."""
+    if getattr(layer, "_tfstrat_mesh_call", None) is not None:
+        return None
+    sharded = [v for v in own_variables(layer) if is_sharded(v)]
+    if not sharded:
+        return None
+    for v in sharded:
+        if getattr(v, "constraint", None) is not None:
+            raise UsageError(
+                f"Variable {v.path!r} is split by layout rule {v.sharding.rule!r} and has a "
+                f"constraint ({type(v.constraint).__name__}), which Keras applies to the whole "
+                "variable: leave it unsplit, or drop the constraint."
+            )
+    original = layer.call
+    kind, call = _choose(layer)
+    if kind in ("row", "column"):
+        layer.input_spec = None  # a row-parallel layer's input arrives split
+    _install(layer, strategy, original, call)
+    layer._tfstrat_mesh_call = kind
+    return _line(layer, kind)
+
+
 def prepare(model, strategy) -> list[str]:
-    """Gives `model`'s layers their calls on the parts (once per layer); returns one line per
-    layer with a sharded variable."""
-    lines = []
+    """Gives `model`'s layers their calls on the parts; returns one line per layer with a split
+    variable not said before. With a model axis, a layer with weights takes an input that
+    arrives split whole again, and so do the model's outputs."""
     layers = model._flatten_layers(include_self=True) if hasattr(model, "_flatten_layers") else []
+    lines = [line for line in (install_split(layer, strategy) for layer in layers) if line]
+    if strategy.extended._tfstrat_mesh.model_size == 1:
+        return lines
     for layer in layers:
         if getattr(layer, "_tfstrat_mesh_call", None) is not None:
             continue
-        own = own_variables(layer)
         original = layer.call
-        if any(is_sharded(v) for v in own):
-            kind, call = _choose(layer)
-            lines.append(_line(layer, kind))
-            if kind in ("row", "column"):
-                layer.input_spec = None  # a row-parallel layer's input arrives split
-        elif own and _built_last(layer) is not None:
+        if layer is model:
+            kind, call = "outputs", _whole_outputs(model, original)
+        elif own_variables(layer) and _built_last(layer) is not None:
             kind, call = "repair", _repairing_call(layer, original, _built_last(layer))
             layer.input_spec = None  # its input may arrive split: whole again in its call
-        elif layer is model and getattr(model, "outputs", None):
-            kind, call = "outputs", _whole_outputs(model, original)
         else:
             continue
         _install(layer, strategy, original, call)
@@ -339,17 +361,43 @@ def prepare(model, strategy) -> list[str]:
 
 
 def _whole_outputs(model, original):
-    shapes = [tuple(o.shape) for o in keras.tree.flatten(model.outputs)]
+    """The model's outputs whole: the ones a column-parallel layer left split (`_split`), and,
+    for a Functional model, any whose last axis is a part of its symbolic output's."""
+    outputs = getattr(model, "outputs", None)
+    shapes = [tuple(o.shape) for o in keras.tree.flatten(outputs)] if outputs else None
 
     def call(*args, **kwargs):
-        outputs = original(*args, **kwargs)
-        flat = keras.tree.flatten(outputs)
-        if len(flat) != len(shapes):
-            return outputs
-        mended = [_whole_last(o, s[-1] if s else None) for o, s in zip(flat, shapes)]
-        return keras.tree.pack_sequence_as(outputs, mended)
+        result = original(*args, **kwargs)
+        flat = keras.tree.flatten(result)
+        mended = []
+        for i, t in enumerate(flat):
+            axis = _split.axis_of(t)
+            if axis is not None:
+                t = collectives.gather(t, axis)
+            elif shapes is not None and len(shapes) == len(flat) and shapes[i]:
+                t = _whole_last(t, shapes[i][-1])
+            mended.append(t)
+        _split.by_id.clear()  # this replica's trace of the model is done
+        return keras.tree.pack_sequence_as(result, mended)
 
     return call
+
+
+class _SplitOutputs(threading.local):
+    """Tensors a column-parallel layer returned split (each replica thread its own)."""
+
+    def __init__(self):
+        self.by_id: dict[int, tuple] = {}
+
+    def note(self, tensor, axis: int) -> None:
+        self.by_id[id(tensor)] = (tensor, axis)
+
+    def axis_of(self, tensor) -> int | None:
+        found = self.by_id.get(id(tensor))
+        return found[1] if found is not None and found[0] is tensor else None
+
+
+_split = _SplitOutputs()
 
 
 def _install(layer, strategy, original, call):

@@ -39,21 +39,33 @@ class DeviceMesh(keras.distribution.DeviceMesh):
             devices = _default_devices()
             needed = int(np.prod(shape))
             if len(devices) != needed:
+                workers = len(devices) // max(1, len(_here()))
+                each = (
+                    f"{needed // workers} on each of the {workers} workers"
+                    if workers > 1
+                    else needed
+                )
                 raise UsageError(
-                    f"Received: DeviceMesh(shape={tuple(shape)}) over {len(devices)} local "
-                    f"device(s) {devices}: the mesh needs {needed}. Split the CPU with "
-                    f"tfstrat.split_cpu({needed}) before TensorFlow starts, or pass devices=[...]."
+                    f"Received: DeviceMesh(shape={tuple(shape)}) over {len(devices)} device(s) "
+                    f"{devices}: the mesh needs {needed}. Split the CPU with "
+                    f"tfstrat.split_cpu(n) before TensorFlow starts (n = {each}), or pass "
+                    "devices=[...]."
                 )
         super().__init__(shape=tuple(shape), axis_names=list(axis_names), devices=devices)
+
+
+def _here() -> list[str]:
+    from tfstrat.cluster.devices import local_devices
+
+    return local_devices()
 
 
 def _default_devices() -> list[str]:
     """This process's devices; under a TF_CONFIG of 2+ workers, every worker's (as many on
     each as here), by rank."""
     from tfstrat.cluster import TFConfig
-    from tfstrat.cluster.devices import local_devices
 
-    here = local_devices()
+    here = _here()
     if not os.environ.get("TF_CONFIG", "").strip():
         return here
     tf_config = TFConfig.from_env()
@@ -142,8 +154,9 @@ class Mesh:
                 raise UsageError(
                     f"Received: a mesh of shape {shape} ({', '.join(names)}) whose model axis "
                     f"({mesh.model_size} devices) spans workers of {len(mesh.local)} device(s). "
-                    "Put the model axis within a worker: its size must divide each worker's "
-                    "devices."
+                    "Put the model axis within a worker: make it the mesh's last axis (row-major "
+                    "order puts each worker's devices together), of a size that divides each "
+                    "worker's devices."
                 )
         return mesh
 
@@ -179,11 +192,17 @@ class Mesh:
         group = [r for r in range(len(self.devices)) if self.data_index(r) == d]
         return sorted(group, key=self.model_index)
 
-    def data_group(self, replica: int) -> list[int]:
-        """The replicas that hold the same parts as `replica`, by batch coordinate."""
-        m = self.model_index(replica)
-        group = [r for r in range(len(self.devices)) if self.model_index(r) == m]
-        return sorted(group, key=self.data_index)
+    def batch_slice(self, replica: int) -> int:
+        """Which slice of every global batch `replica` reads: its batch coordinate in one
+        process; across W workers, worker w's j-th batch coordinate reads slice j x W + w, the
+        order in which Keras's multi-worker `predict` puts the replicas' rows back together."""
+        here = len(self.local)
+        workers = len(self.devices) // here
+        if workers == 1:
+            return self.data_index(replica)
+        worker = replica // here  # replicas are numbered worker by worker
+        mine = sorted({self.data_index(r) for r in range(worker * here, (worker + 1) * here)})
+        return mine.index(self.data_index(replica)) * workers + worker
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,11 +214,6 @@ class Sharding:
     dim: int
     parts: int
     rule: str  # the layout map's key that matched
-
-    def local_shape(self) -> tuple[int, ...]:
-        shape = list(self.shape)
-        shape[self.dim] //= self.parts
-        return tuple(shape)
 
     def bounds(self, part: int) -> tuple[int, int]:
         size = self.shape[self.dim] // self.parts

@@ -39,10 +39,14 @@ class ShardedVariable(keras.Variable):
         return self._tfstrat_sharding
 
     @property
+    def shape(self):
+        return tf.TensorShape(self._tfstrat_sharding.shape)  # the whole's
+
+    @property
     def value(self):
         whole = (getattr(_reads, "whole", None) or {}).get(id(self))
         if whole is not None:
-            return whole
+            return self._maybe_autocast(whole)
         return super().value
 
     def local(self):

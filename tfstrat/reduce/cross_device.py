@@ -80,7 +80,7 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
             self._record(replica_id, "all_reduce", [tuple(t.shape) for t in dense], nbytes)
         # Everything the TCP ring can carry goes in one exchange: the step waits once.
         by_ring = dense_at if dense and self._ring_carries(dense) else []
-        packed = {i: n for i, n in rows.items() if self.ring is not None and _packable(flat[i])}
+        packed = {i: n for i, n in rows.items() if self.ring is not None and packable(flat[i])}
         if by_ring or packed:
             summed, gathered = self._ring_exchange(
                 reduce_op,
@@ -160,7 +160,7 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
         """A sparse gradient over TensorFlow's collectives (no TCP ring)."""
         launcher = self._launchers[replica_id]
         with tf.device(self._devices[replica_id]):
-            if rows is None or not _packable(slices):
+            if rows is None or not packable(slices):
                 # Row count unknown or not float32: TensorFlow's 3-collective padded gather.
                 gathered = sparse.dedup(launcher.all_reduce_indexed_slices(slices, options))
             else:
@@ -202,6 +202,6 @@ class RingCalls:
         return outs
 
 
-def _packable(slices: tf.IndexedSlices) -> bool:
+def packable(slices: tf.IndexedSlices) -> bool:
     """Whether `sparse.pack_rows` can carry the gradient: float32 rows of a static width."""
     return slices.values.dtype == tf.float32 and slices.values.shape[1:].is_fully_defined()

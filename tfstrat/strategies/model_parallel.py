@@ -26,15 +26,17 @@ from __future__ import annotations
 import functools
 import logging
 
+import numpy as np
 import tensorflow as tf
 
 from tfstrat._compat import patches
-from tfstrat._compat.tf import mirrored_strategy
+from tfstrat._compat.tf import mirrored_strategy, values
 from tfstrat.errors import UsageError
 from tfstrat.keras import _shuffle
 from tfstrat.strategies import _common, collective
 
 logger = logging.getLogger(__name__)
+_SUM = tf.distribute.ReduceOp.SUM
 
 
 class _SplitsVariables:
@@ -45,18 +47,25 @@ class _SplitsVariables:
     _tfstrat_whole = None  # its whole initial value, drawn once (across workers: the chief's)
 
     def _create_variable(self, next_creator, **kwargs):
+        planned, self._tfstrat_planned = self._tfstrat_planned, None
         colocate_with = kwargs.get("colocate_with")
-        if colocate_with is not None:  # an optimizer slot: split as its variable
+        if colocate_with is not None:  # an optimizer slot: split as its variable, or whole
             sharding = getattr(colocate_with, "_tfstrat_sharding", None)
         else:
-            sharding, self._tfstrat_planned = self._tfstrat_planned, None
+            sharding = planned
+            if sharding is not None and kwargs.get("trainable") is False:
+                raise UsageError(
+                    f"Layout rule {sharding.rule!r} splits {sharding.path!r}, a non-trainable "
+                    "variable (moving statistics, a counter): tfstrat splits trainable "
+                    "variables only. Leave it unsplit (narrow the rule's regular expression)."
+                )
         if sharding is None:
             return super()._create_variable(next_creator, **kwargs)
-        previous, self._tfstrat_planned = self._tfstrat_planned, sharding
+        self._tfstrat_planned = sharding
         try:
             variable = super()._create_variable(next_creator, **kwargs)
         finally:
-            self._tfstrat_planned, self._tfstrat_whole = previous, None
+            self._tfstrat_planned, self._tfstrat_whole = None, None
         variable._tfstrat_sharding = sharding
         return variable
 
@@ -84,11 +93,25 @@ class _SplitsVariables:
 
 
 class _Extended(_SplitsVariables, mirrored_strategy.MirroredExtended):
-    pass
+    def _reduce_to(self, reduce_op, value, destinations, options):
+        # MirroredStrategy sends a reduction to a CPU device, or elsewhere than the value's
+        # devices (a metric's read, `strategy.reduce`), through ReductionToOneDevice, which
+        # sums every device: here each slice of the batch counts once.
+        if isinstance(value, values.DistributedValues) and not isinstance(value, values.Mirrored):
+            return self._cross_device_ops.reduce(reduce_op, value, destinations, options)
+        if not isinstance(value, values.DistributedValues) and reduce_op == _SUM:
+            value = value * tf.cast(self._tfstrat_mesh.data_size, value.dtype)  # once a slice
+            return self.broadcast_to(value, destinations)
+        return super()._reduce_to(reduce_op, value, destinations, options)
 
 
 class _WorkersExtended(_SplitsVariables, collective._Extended):
     pass
+
+
+def _shape_of(value) -> tuple:
+    shape = getattr(value, "shape", None)
+    return tuple(shape) if shape is not None else np.shape(value)
 
 
 def _plan_keras_variables() -> None:
@@ -104,7 +127,7 @@ def _plan_keras_variables() -> None:
         plan = getattr(strategy, "_tfstrat_plan", None)
         if plan is None:
             return keras_initialize(self, value)
-        plan(self)
+        plan(self, self._shape if self._shape is not None else _shape_of(value))
         try:
             keras_initialize(self, value)
         finally:
@@ -112,7 +135,7 @@ def _plan_keras_variables() -> None:
         if getattr(self._value, "_tfstrat_sharding", None) is not None:
             from tfstrat.mesh.variables import adopt
 
-            adopt(self, strategy.extended._tfstrat_mesh)
+            adopt(self, strategy.extended._tfstrat_mesh)  # its shape: the whole's
 
     patches.patch(
         keras.Variable,
@@ -120,6 +143,21 @@ def _plan_keras_variables() -> None:
         _initialize,
         "under tfstrat.ModelParallel, a variable its layout map splits is created as one part "
         "per device",
+    )
+    keras_maybe_build = patches.original(keras.layers.Layer, "_maybe_build")
+
+    def _maybe_build(self, call_spec):
+        keras_maybe_build(self, call_spec)
+        built = getattr(tf.distribute.get_strategy(), "_tfstrat_layer_built", None)
+        if built is not None:
+            built(self)
+
+    patches.patch(
+        keras.layers.Layer,
+        "_maybe_build",
+        _maybe_build,
+        "under tfstrat.ModelParallel, a layer with a split variable computes on its parts from "
+        "the call that builds it",
     )
 
 
@@ -169,6 +207,15 @@ class _OnMesh:
     mesh = None  # until set up (a multi-worker start-up runs collectives before)
 
     def _mesh_setup(self, mesh, layout_map) -> None:
+        if mesh.model_axis is None and layout_map is not None and len(layout_map):
+            logger.warning(
+                "tfstrat: ModelParallel's mesh %s has no model axis (its one axis %r is the "
+                "batch's): every variable stays whole (data parallelism). Give the mesh a "
+                "second axis for the model, e.g. DeviceMesh((1, %d), ['batch', 'model']).",
+                list(mesh.axis_names),
+                mesh.batch_axis,
+                len(mesh.devices),
+            )
         self.extended._tfstrat_mesh = mesh
         self.mesh = mesh
         self.layout_map = layout_map if layout_map is not None else {}
@@ -188,11 +235,11 @@ class _OnMesh:
 
     # -- variables ------------------------------------------------------------------------
 
-    def _tfstrat_plan(self, variable) -> None:
-        """Plans the Keras `variable` being created (`_plan_keras_variables`)."""
+    def _tfstrat_plan(self, variable, shape) -> None:
+        """Plans the Keras `variable` of `shape` being created (`_plan_keras_variables`)."""
         from tfstrat.mesh.layout import plan
 
-        sharding, line = plan(self.layout_map, self.mesh, variable.path, variable._shape)
+        sharding, line = plan(self.layout_map, self.mesh, variable.path, shape)
         self.planned[variable.path] = line
         self.extended._tfstrat_planned = sharding
 
@@ -209,19 +256,27 @@ class _OnMesh:
             fn = _once_per_slice(fn, self.mesh)
         return super().run(fn, args=args, kwargs=kwargs, options=options)
 
+    def _tfstrat_layer_built(self, layer) -> None:
+        """A layer was just built in this strategy's scope (`Layer._maybe_build`)."""
+        from tfstrat.mesh import layers
+
+        line = layers.install_split(layer, self)
+        if line:
+            logger.info("tfstrat: %s", line)
+
     def _tfstrat_prepare_model(self, model) -> None:
         from tfstrat.mesh import layers
         from tfstrat.mesh.layout import unused_rules
 
-        lines = layers.prepare(model, self)
+        for line in layers.prepare(model, self):
+            logger.info("tfstrat: %s", line)
         if id(model) in self._reported:
             return
         self._reported.add(id(model))
-        for line in lines:
-            logger.info("tfstrat: %s", line)
-        for line in self.planned.values():
+        for path, line in list(self.planned.items()):
             if line is not None:
                 logger.info("tfstrat: %s", line)
+                self.planned[path] = None  # said once
         if hasattr(self.layout_map, "keys"):
             for rule in unused_rules(self.layout_map, list(self.planned)):
                 logger.warning(
@@ -253,32 +308,50 @@ class _OnMesh:
     # -- input ----------------------------------------------------------------------------
 
     def experimental_distribute_dataset(self, dataset, options=None):
+        """Each replica gets its slice of every global batch (`Mesh.batch_slice`): the devices
+        of a model group read the same one."""
         _common.check_not_empty(dataset)
         mesh = self.mesh
-        if mesh.model_size == 1:
+        if mesh.model_size == 1 and len(mesh.local) == len(mesh.devices):
             return _common.name_empty_input(
                 super().experimental_distribute_dataset(dataset, options)
             )
-        replicas = len(mesh.local)  # this process's, each reading its slice of every batch
-        data_of = tf.constant([mesh.data_index(r) for r in mesh.local], tf.int64)
-        slices = mesh.data_size
+        replicas = len(mesh.local)
+        slice_of = tf.constant([mesh.batch_slice(r) for r in mesh.local], tf.int64)
+        slices, is_tuple = mesh.data_size, isinstance(dataset.element_spec, tuple)
 
-        def expand(*element):
-            structure = element if len(element) > 1 else element[0]
-            first = next(t for t in tf.nest.flatten(structure) if t.shape.rank)
-            rows = tf.cast(tf.shape(first)[0], tf.int64)
+        def expand(*args):
+            structure = args if is_tuple else args[0]
+            flat = tf.nest.flatten(structure)
+            if any(isinstance(t, (tf.SparseTensor, tf.RaggedTensor)) for t in flat):
+                raise UsageError(
+                    "tfstrat ModelParallel slices dense inputs: densify sparse or ragged ones "
+                    "(`.to_tensor()`) in the dataset."
+                )
+            ranked = [t for t in flat if t.shape.rank]
+            if not ranked:
+                raise UsageError(
+                    "tfstrat ModelParallel: an input element has no batch dimension; batch the "
+                    "dataset (`.batch(global_batch)`)."
+                )
+            rows = tf.cast(tf.shape(ranked[0])[0], tf.int64)
 
-            def slice_of(replica):
-                d = tf.gather(data_of, replica)
-                lo, hi = rows * d // slices, rows * (d + 1) // slices
+            def take(replica):
+                k = tf.gather(slice_of, replica)
+                lo, hi = rows * k // slices, rows * (k + 1) // slices
                 return tf.nest.map_structure(lambda t: t[lo:hi] if t.shape.rank else t, structure)
 
-            return tf.data.Dataset.range(replicas).map(slice_of)
+            return tf.data.Dataset.range(replicas).map(take)
 
         expanded = dataset.flat_map(expand)
-        return _common.name_empty_input(
-            self.distribute_datasets_from_function(lambda _: expanded, options)
-        )
+        extended = self.extended
+        saved = extended.experimental_enable_get_next_as_optional
+        extended.experimental_enable_get_next_as_optional = False  # every replica, every batch
+        try:
+            distributed = self.distribute_datasets_from_function(lambda _: expanded, options)
+        finally:
+            extended.experimental_enable_get_next_as_optional = saved
+        return _common.name_empty_input(distributed)
 
 
 class ModelParallel(_OnMesh, _common.AdoptsKerasOptimizers, tf.distribute.MirroredStrategy):
@@ -352,13 +425,26 @@ class ModelParallelOnWorkers(_OnMesh, collective.CollectiveAllReduce):
 
         device_mesh = _device_mesh(layout_map, device_mesh)
         tf_config = tf_config if tf_config is not None else collective._env_config()
-        count = len(local_devices())
+        here = local_devices()
+        if any("GPU" in d.upper() for d in here):
+            raise UsageError(
+                f"Received: ModelParallel across workers on GPUs ({here}). Across workers it "
+                "runs on logical CPUs for now (tfstrat.split_cpu(n) on every worker); on one "
+                "machine's GPUs, run one process (no TF_CONFIG)."
+            )
+        count = len(here)
+        rules = {key: list(getattr(v, "axes", v)) for key, v in dict(layout_map or {}).items()}
         super().__init__(
             tf_config,
             devices=count if count > 1 else None,
             communication="auto",
             timeout=timeout,
-            _agree_on={"mesh": list(device_mesh.shape), "axes": list(device_mesh.axis_names)},
+            _agree_on={
+                "mesh": list(device_mesh.shape),
+                "axes": list(device_mesh.axis_names),
+                "batch_dim_name": batch_dim_name,
+                "layout": rules,
+            },
         )
         names = [
             [f"{task}/device:CPU:{k}" for k in range(max(count, 1))]
