@@ -364,6 +364,10 @@ class ModelParallel(_OnMesh, _common.AdoptsKerasOptimizers, tf.distribute.Mirror
             `layout_map["dense.*kernel"] = (None, "model")`.
         batch_dim_name: the mesh axis the batch is split over (default: the mesh's first).
         device_mesh: the mesh, when `layout_map` is None (no variable split: data parallel).
+        tf_config: the cluster; None reads `TF_CONFIG`. With 2+ workers this returns a
+            `ModelParallelOnWorkers` over every worker's devices; else one process's mesh.
+        timeout: across workers, seconds a step's exchange may wait for a peer (as in
+            CollectiveAllReduce); unused in one process.
 
     Example:
         >>> import tfstrat, keras  # doctest: +SKIP
