@@ -343,11 +343,8 @@ class DataAxisReduce(tf.distribute.CrossDeviceOps):
         then across workers by rank): what Keras's multi-worker `predict` gathers."""
         from tfstrat._compat.tf import cross_device_ops
 
-        parts = (
-            self._parts(per_replica_value)
-            if isinstance(per_replica_value, tf_values.DistributedValues)
-            else [per_replica_value]
-        )
+        value = per_replica_value  # a one-value PerReplica: this worker's own tensor, once
+        parts = list(value.values) if isinstance(value, tf_values.DistributedValues) else [value]
         with tf.device(self.mesh.local_devices[0]):
             local = tf.concat([tf.convert_to_tensor(p) for p in parts], axis)
         with tf.device("/device:CPU:0"):
