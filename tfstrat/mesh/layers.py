@@ -1,8 +1,9 @@
 """How each layer computes with sharded variables: Megatron-LM's scheme, read off the layout.
 
-`prepare(model)` gives each layer that owns a sharded variable a call that runs on the parts
-(an instance attribute; the class is untouched), chosen by the layer and by which dimension the
-layout splits:
+`install_split(layer)` (as soon as a layer is built) gives each layer that owns a sharded
+variable a call that runs on the parts (an instance attribute; the class is untouched), chosen
+by the layer and by which dimension the layout splits; `prepare(model)` does it for a whole
+model, and mends split activations (below):
 
 - `Dense` and `EinsumDense` (and so `MultiHeadAttention`, built on it): a kernel split on an
   output dimension is **column-parallel** (the whole input through `copy`; the output stays
