@@ -83,11 +83,11 @@ def test_model_parallel_quick_fits_wider_models_in_the_same_bytes(tmp_path, caps
     code = main(["bench", "model-parallel", "--quick", "--out", str(tmp_path)])
     assert code == 0, capsys.readouterr()
     rows = json.loads((tmp_path / "model-parallel.json").read_text())
-    assert [r["row"] for r in rows] == ["DP-2", "MP-1x2", "MP-1x4"]
+    assert [r["row"] for r in rows] == ["DP-2", "MP-1x2"]  # --quick: one of each kind
     for r in rows:
         assert max(r["held_bytes"]) == r["bookkeeping_bytes"] <= r["budget_bytes"], r
-    dp, mp2, mp4 = rows
-    assert dp["dim"] < mp2["dim"] < mp4["dim"] and dp["params"] < mp2["params"] < mp4["params"]
+    dp, mp2 = rows
+    assert dp["dim"] < mp2["dim"] and dp["params"] < mp2["params"]
     # Data parallel moves gradients over the batch axis only; ModelParallel (1, n) the
     # layers' activations within the model group only.
     assert dp["model_axis_bytes"] == 0 and dp["batch_axis_bytes"] > 0

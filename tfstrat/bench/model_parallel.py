@@ -43,6 +43,7 @@ class ModelParallelConfig:
     steps: int = 20
     repeats: int = 3
     out: str = "bench-out"
+    rows: tuple[str, ...] | None = None  # row ids to run (None: all)
 
 
 def bytes_per_device(c: ModelParallelConfig, dim: int, parts: int) -> int:
@@ -66,11 +67,13 @@ def run(config: ModelParallelConfig) -> list[dict]:
     machine = _report.machine()
     rows = []
     for row_id, label, mesh in ROWS:
+        if config.rows is not None and row_id not in config.rows:
+            continue
         parts = mesh[1]
         dim = largest_dim(config, parts)
         worker = {**dataclasses.asdict(config), "mesh": list(mesh), "dim": dim}
-        worker.pop("out")
-        worker.pop("budget_mib")
+        for key in ("out", "budget_mib", "rows"):
+            worker.pop(key)
         try:
             proc = subprocess.run(
                 [sys.executable, "-m", WORKER, json.dumps(worker)],

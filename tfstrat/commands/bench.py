@@ -46,6 +46,7 @@ def _run(args) -> int:
         sizes = dict(steps=args.steps, repeats=args.repeats, budget_mib=args.budget_mib)
         if args.quick:  # seconds per row, numbers meaningless
             sizes = dict(steps=2, repeats=1, budget_mib=0.5, vocab=256, seq=8, batch=4)
+            sizes["rows"] = ("DP-2", "MP-1x2")  # one of each kind
         rows = run_model_parallel(ModelParallelConfig(out=args.out, **sizes))
         ok = all("error" not in r for r in rows)
     elif args.name == "allreduce":
