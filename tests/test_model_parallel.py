@@ -23,7 +23,11 @@ STEPS = {"mlp": 12, "transformer": 8, "llama": 8}  # 44 or 28 rows, batches of 8
 def matrix_only(request):
     """The full matrix runs when `-m` names it (`scripts/test -m matrix`), not by default."""
     if "matrix" not in (request.config.getoption("markexpr") or ""):
-        pytest.skip("the full ModelParallel matrix: run it with `-m matrix`")
+        pytest.skip(
+            "part of the full ModelParallel matrix (about 6.5 minutes, kept out of the default "
+            "run's time budget; the default run covers each code path on a smaller set): run "
+            "it with `scripts/test -m matrix`"
+        )
 
 
 def _run(tmp_path, *args, timeout=420):

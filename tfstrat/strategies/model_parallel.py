@@ -147,7 +147,10 @@ def _plan_keras_variables() -> None:
     keras_maybe_build = patches.original(keras.layers.Layer, "_maybe_build")
 
     def _maybe_build(self, call_spec):
+        was_built = self.built
         keras_maybe_build(self, call_spec)
+        if was_built or not self.built:
+            return  # the hook runs once per layer, as it is built
         built = getattr(tf.distribute.get_strategy(), "_tfstrat_layer_built", None)
         if built is not None:
             built(self)
