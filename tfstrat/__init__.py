@@ -39,6 +39,7 @@ _LAZY = {
     "ModelParallel": "tfstrat.strategies.model_parallel",
     "DeviceMesh": "tfstrat.mesh.layout",
     "LayoutMap": "tfstrat.mesh.layout",
+    "PowerSGD": "tfstrat.reduce.compression",
 }
 
 __all__ = [

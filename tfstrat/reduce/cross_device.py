@@ -15,7 +15,7 @@ import weakref
 import tensorflow as tf
 
 from tfstrat._compat.tf import cross_device_ops, nest
-from tfstrat.reduce import sparse
+from tfstrat.reduce import compression, sparse
 
 
 class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
@@ -36,6 +36,14 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
         #: (one device per worker); None: TensorFlow's collectives.
         self.ring = None
         self._ring_calls = RingCalls()
+        #: None, "fp16", "bf16" or a `compression.PowerSGD`: how the step's dense gradients
+        #: travel on the ring (set by the strategy; `tfstrat.reduce.compression`).
+        self.compression = None
+        self._compressed: dict[tuple, compression.PowerSGDState] = {}  # PowerSGD, by shapes
+        #: A list (tests set one before the step is traced): every compressed exchange appends
+        #: {"raw": this worker's gradients before compression, "reduced": the sum after},
+        #: flat float32. None: nothing is recorded.
+        self.trace: list | None = None
         #: What replica 0 sent, recorded at trace time: `("all_reduce", [shapes])` for a dense
         #: pack, `("all_gather", shape)` for a packed sparse gradient. For tests and debugging.
         self.traced: list[tuple] = []
@@ -74,12 +82,13 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
                     del rows[i]
         dense_at = [i for i in range(len(flat)) if i not in rows]
         dense = [flat[i] for i in dense_at]
-        if dense:
+        # Everything the TCP ring can carry goes in one exchange: the step waits once.
+        by_ring = dense_at if dense and self._ring_carries(dense) else []
+        lossy = self.compression is not None and any(compression.marked(t) for t in dense)
+        if dense and not (by_ring and lossy):  # compressed: `_ring_exchange` records it
             # A tensor of unknown static size counts 0: a lower bound, never a crash.
             nbytes = sum((t.shape.num_elements() or 0) * t.dtype.size for t in dense)
             self._record(replica_id, "all_reduce", [tuple(t.shape) for t in dense], nbytes)
-        # Everything the TCP ring can carry goes in one exchange: the step waits once.
-        by_ring = dense_at if dense and self._ring_carries(dense) else []
         packed = {i: n for i, n in rows.items() if self.ring is not None and packable(flat[i])}
         if by_ring or packed:
             summed, gathered = self._ring_exchange(
@@ -114,14 +123,30 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
         """One TCP ring exchange for a step: every dense tensor packed into one flat vector
         and summed, and every sparse gradient's deduplicated rows gathered (of any count:
         no padding). `slices`: `{position: (IndexedSlices, static rows before dedup)}`.
-        Returns the reduced dense tensors and `{position: IndexedSlices}`."""
-        ring, k = self.ring, len(dense)
+        With `compression`, the step's dense gradients (`compression.mark`) travel compressed
+        and the rest exactly. Returns the reduced dense tensors and `{position: IndexedSlices}`."""
+        ring, method = self.ring, self.compression
+        lossy = [j for j, t in enumerate(dense) if method is not None and compression.marked(t)]
+        exact = [j for j in range(len(dense)) if j not in lossy]
         with tf.device(self._devices[replica_id]):
             inputs, shapes = [], []
-            if dense:
-                flat = tf.concat([tf.reshape(t, [-1]) for t in dense], 0)
+            if exact:
+                flat = tf.concat([tf.reshape(dense[j], [-1]) for j in exact], 0)
                 inputs.append(flat)
                 shapes.append(flat.shape)
+            if lossy:
+                flat = tf.concat([tf.reshape(dense[j], [-1]) for j in lossy], 0)
+                if method in compression.ROUNDING:  # a row of 16-bit words to all-gather
+                    wire = tf.as_dtype(compression.ROUNDING[method])
+                    flat = tf.bitcast(tf.cast(flat, wire), tf.uint16)[None]
+                    shapes.append([self._group_size, flat.shape[1]])
+                else:
+                    flat = tf.cast(flat, tf.float32)
+                    shapes.append(flat.shape)
+                inputs.append(flat)
+            self._record_compressed(
+                replica_id, [dense[j] for j in exact], [dense[j] for j in lossy]
+            )
             for v, rows in slices.values():
                 packed = sparse.pack_rows(v, None)
                 if rows is not None:  # an upper bound: the ring sends the deduplicated rows
@@ -133,28 +158,87 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
                     )
                 inputs.append(packed)
                 shapes.append([None, packed.shape[1]])
+            k = int(bool(exact)) + int(bool(lossy))
+            state = self._powersgd([dense[j].shape for j in lossy]) if lossy else None
+            rounding = bool(lossy) and state is None
 
             def exchange(*arrays):
-                summed, gathered = ring.exchange(
-                    arrays[0] if k else None, list(arrays[1 if k else 0 :])
-                )
-                return ([summed] if k else []) + gathered
+                mine = arrays[0] if exact else None
+                blocks = list(arrays[k:])
+                if state is not None:  # PowerSGD: its own two exchanges
+                    approx, summed, gathered = state.exchange(ring, arrays[k - 1], mine, blocks)
+                    return ([summed] if exact else []) + [approx] + gathered
+                summed, gathered = ring.exchange(mine, ([arrays[k - 1]] if lossy else []) + blocks)
+                return ([summed] if exact else []) + gathered
 
             outs = self._ring_call(exchange, inputs, shapes, "tcp_exchange")
-            reduced = []
-            if dense:
+            reduced = [None] * len(dense)
+            if exact:
                 summed = outs[0]
                 if reduce_op == tf.distribute.ReduceOp.MEAN:
                     summed = summed / self._group_size
-                parts = tf.split(summed, [t.shape.num_elements() for t in dense])
-                reduced = [tf.reshape(p, t.shape) for p, t in zip(parts, dense)]
+                for j, t in zip(
+                    exact, tf.split(summed, [dense[j].shape.num_elements() for j in exact])
+                ):
+                    reduced[j] = tf.reshape(t, dense[j].shape)
+            if lossy:
+                summed = outs[k - 1]
+                if rounding:  # every worker's rounded gradients, summed in rank order
+                    words = tf.unstack(tf.bitcast(summed, wire), self._group_size)
+                    summed = tf.cast(words[0], tf.float32)
+                    for w in words[1:]:
+                        summed += tf.cast(w, tf.float32)
+                if self.trace is not None:
+                    summed = self._traced(dense, lossy, summed)
+                if reduce_op == tf.distribute.ReduceOp.MEAN:
+                    summed = summed / self._group_size
+                for j, t in zip(
+                    lossy, tf.split(summed, [dense[j].shape.num_elements() for j in lossy])
+                ):
+                    reduced[j] = tf.cast(tf.reshape(t, dense[j].shape), dense[j].dtype)
             gathered = {}
-            for (i, (v, _)), everyone in zip(slices.items(), outs[1 if dense else 0 :]):
+            for (i, (v, _)), everyone in zip(slices.items(), outs[k:]):
                 g = sparse.unpack_rows(everyone, v)
                 if reduce_op == tf.distribute.ReduceOp.MEAN:
                     g = tf.IndexedSlices(g.values / self._group_size, g.indices, g.dense_shape)
                 gathered[i] = g
         return reduced, gathered
+
+    def _traced(self, dense, lossy, summed):
+        """`summed`, after recording it and the gradients it came from in `trace`."""
+        trace = self.trace
+        raw = tf.cast(tf.concat([tf.reshape(dense[j], [-1]) for j in lossy], 0), tf.float32)
+
+        def record(mine, reduced):
+            trace.append({"raw": mine.copy(), "reduced": reduced.copy()})
+            return [mine, reduced]
+
+        return self._ring_call(record, [raw, summed], [raw.shape, summed.shape], "trace")[1]
+
+    def _powersgd(self, shapes) -> compression.PowerSGDState | None:
+        """The PowerSGD state of these gradient shapes (kept across traces), or None when the
+        compression rounds."""
+        if not isinstance(self.compression, compression.PowerSGD):
+            return None
+        key = tuple(tuple(s) for s in shapes)
+        if key not in self._compressed:
+            self._compressed[key] = compression.PowerSGDState(self.compression, list(key))
+        return self._compressed[key]
+
+    def _record_compressed(self, replica_id, exact, lossy):
+        """The dense part of a ring exchange, by what it sends (`bytes_sent_per_worker`)."""
+        size = lambda ts: sum((t.shape.num_elements() or 0) * t.dtype.size for t in ts)  # noqa: E731
+        if not lossy:
+            return  # recorded by `_all_reduce`
+        if exact:
+            self._record(replica_id, "all_reduce", [tuple(t.shape) for t in exact], size(exact))
+        if self.compression in compression.ROUNDING:
+            floats = sum(t.shape.num_elements() for t in lossy)
+            self._record(replica_id, "all_gather", (1, floats), 2 * floats)
+        else:
+            state = self._powersgd([t.shape for t in lossy])
+            nbytes = 4 * (state.factor_floats + state.exact_floats)
+            self._record(replica_id, "all_reduce", [("powersgd", nbytes // 4)], nbytes)
 
     def _gather_slices(self, reduce_op, slices, rows, replica_id, options):
         """A sparse gradient over TensorFlow's collectives (no TCP ring)."""

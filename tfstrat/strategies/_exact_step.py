@@ -32,7 +32,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfstrat._compat import patches
-from tfstrat.reduce import sparse
+from tfstrat.reduce import compression, sparse
 from tfstrat.runtime.step import _step
 from tfstrat.strategies import _compute
 
@@ -209,10 +209,12 @@ def step_reduce(reduce_sum, stop, replicas: int):
         metrics = _step.metrics or []
         if not have or context is None or (stop is None and rows is None and not metrics):
             marks = _keep_lazy_sparse(pairs)
+            lossy = compression.mark(g for g, _ in pairs if _is_dense(g))
             try:
                 return reduce_sum(pairs)
             finally:
                 sparse.forget(marks)
+                compression.forget(lossy)
         grads = [pairs[i][0] for i in have]
         dtype = _extras_dtype(grads)
         parts = [stop.flags(dtype)] if stop is not None else []
@@ -222,10 +224,12 @@ def step_reduce(reduce_sum, stop, replicas: int):
         marks = _keep_lazy_sparse([(g, pairs[i][1]) for i, g in zip(have, grads)])
         variables = [v for m in metrics for v in m.variables]
         parts += [tf.reshape(tf.cast(v.value, dtype), [-1]) for v in variables]
+        lossy = compression.mark(g for g in grads if _is_dense(g))  # the extras stay exact
         try:
             reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, grads + [tf.concat(parts, 0)])
         finally:
             sparse.forget(marks)
+            compression.forget(lossy)
         extras, at = reduced[-1], 0
         if stop is not None:
             stop.agree(extras[:2])
@@ -246,6 +250,11 @@ def step_reduce(reduce_sum, stop, replicas: int):
         return pairs
 
     return reduce
+
+
+def _is_dense(g) -> bool:
+    """A dense gradient, which `compression=` may compress (rows stay exact)."""
+    return g is not None and not isinstance(g, tf.IndexedSlices)
 
 
 def _split_by_metric(metrics, states):

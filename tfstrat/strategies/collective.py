@@ -26,7 +26,9 @@ from tfstrat.cluster import TFConfig
 from tfstrat.cluster import ports as _ports
 from tfstrat.errors import AgreementError, ListenError, UsageError
 from tfstrat.keras import _fit_scope
+from tfstrat.reduce import compression as _compression
 from tfstrat.reduce import ring
+from tfstrat.reduce.compression import PowerSGD
 from tfstrat.reduce.cross_device import SparseAwareAllReduce
 from tfstrat.reduce.sparse import DensityPolicy
 from tfstrat.strategies import _common, _reuse, _startup, _stopping
@@ -225,6 +227,11 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
             communication with the backward pass); None sends them in one pack.
         sparse_as_dense: "auto", a fraction in (0, 1], True or False (`DensityPolicy`).
         timeout: seconds a collective may wait for a peer before failing with an error.
+        compression: None (exact), "fp16", "bf16", "powersgd" or `tfstrat.PowerSGD(rank=...)`:
+            the step's dense gradients travel compressed between the workers, for slow links
+            (`tfstrat.reduce.compression`). Lossy: training no longer equals one device's.
+            Sparse gradients and the step's metric states stay exact. Needs the TCP ring (one
+            device per worker).
 
     Environment:
         TF_CONFIG: the cluster and this task, as `tfstrat launch` or Kubeflow set it.
@@ -248,6 +255,7 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
         pack_bytes: int | None = None,
         sparse_as_dense: str | float | bool = "auto",
         timeout: float | None = DEFAULT_TIMEOUT,
+        compression: str | PowerSGD | None = None,
         _agree_on: dict | None = None,
     ):
         tf_config = tf_config if tf_config is not None else _env_config()
@@ -265,6 +273,14 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
             _check_cpu_split(count)
         names = [f"/device:CPU:{i}" for i in range(count)] if count else []
         tcp = self._uses_tcp_ring(communication, count, tf_config)
+        compression = _compression.parse(compression)
+        if compression is not None and not tcp and _workers(tf_config) > 1:
+            raise UsageError(
+                f"Received: compression={_compression.describe(compression)!r} with "
+                f"communication={communication!r} and {count or 1} device(s) per worker. "
+                "Compressed gradients travel on tfstrat's TCP ring: use one device per worker "
+                "and communication='auto' or 'tcp'."
+            )
         implementation = _common.communication_implementation(
             "ring" if communication == "tcp" else communication,
             names or [f"/device:GPU:{i}" for i in range(_num_gpus())],
@@ -305,6 +321,7 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
                 t = timeout or DEFAULT_TIMEOUT
                 ring_ = _reuse.ring(lambda: self._connect_ring(t), t)
                 self.extended._cross_device_ops.ring = ring_
+                self.extended._cross_device_ops.compression = compression
         self.timeout = timeout or DEFAULT_TIMEOUT  # waits on other tasks outside collectives
         self._stop = None
         # Models, not ids: a new model can reuse a collected one's id on one worker only.
@@ -315,6 +332,7 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
             "devices": count or 0,
             "pack_bytes": pack_bytes or 0,
             "sparse_as_dense": str(sparse_as_dense),
+            "compression": _compression.describe(compression),
             **(_agree_on or {}),
         }
         if self.extended._num_workers > 1:
@@ -332,6 +350,14 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
             else implementation.name.lower(),
             timeout,
         )
+        if compression is not None:
+            logger.info(
+                "tfstrat: compression=%s: %s",
+                _compression.describe(compression),
+                "the dense gradients travel compressed between the workers (lossy)"
+                if tcp
+                else "no effect with one worker (nothing travels)",
+            )
         if tf_config is None:  # e.g. `python train.py` where `tfstrat launch` was meant
             logger.info(
                 "tfstrat: no TF_CONFIG, so this process is the only worker; for more, run it "
@@ -513,12 +539,16 @@ def _ring_words(ring_) -> str:
     return "tcp ring (dense), TensorFlow ring (the rest)"
 
 
+def _workers(tf_config: TFConfig | None) -> int:
+    if tf_config is None:
+        return 1
+    return len(tf_config.addresses("chief")) + len(tf_config.addresses("worker"))
+
+
 def _use_tcp(communication: str, count: int | None, tf_config: TFConfig | None) -> bool:
     """tfstrat's TCP ring for dense all-reduces: asked for, or "auto" on CPU-only workers with
     one device each (TensorFlow's gRPC collectives cost 2-3 ms a call and ~0.2 GB/s here)."""
-    workers = (
-        len(tf_config.addresses("chief")) + len(tf_config.addresses("worker")) if tf_config else 1
-    )
+    workers = _workers(tf_config)
     local = count or _num_gpus() or 1  # devices=None: every GPU, else one CPU
     if communication == "tcp":
         if local > 1:

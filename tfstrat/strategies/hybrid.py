@@ -47,7 +47,8 @@ class Hybrid(CollectiveAllReduce):
             integer.
         sparse_as_dense: for mirrored tables, as in `CollectiveAllReduce`.
         timeout: seconds any collective or RPC may take before failing with an error.
-        devices, communication: as in `CollectiveAllReduce`.
+        devices, communication, compression: as in `CollectiveAllReduce` (compression applies
+            to the mirrored variables' gradients; the tables on ps tasks get their rows exactly).
 
     Tables on ps tasks are updated row by row (`tfstrat.ps.rowmath`): SGD and Adagrad exactly as
     Keras's dense update of the same gradient; Adam, SGD with momentum and RMSprop lazily (rows
@@ -67,6 +68,7 @@ class Hybrid(CollectiveAllReduce):
         timeout: float = DEFAULT_TIMEOUT,
         devices=None,
         communication: str = "auto",
+        compression=None,
     ):
         tf_config = tf_config if tf_config is not None else _env_config()
         if tf_config is not None:
@@ -91,6 +93,7 @@ class Hybrid(CollectiveAllReduce):
             communication=communication,
             sparse_as_dense=sparse_as_dense,
             timeout=timeout,
+            compression=compression,
             _agree_on={"ps": list(ps), "sparse": sparse, "partitions": partitions},
         )
         self.ps_addresses = ps
