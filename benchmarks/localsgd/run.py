@@ -5,6 +5,8 @@ Rows (2 workers, `tfstrat bench scaling`'s small CNN on learnable labels, SGD wi
   L-2-sN    LocalSGD, plain averaging every N steps (N = 1, 4, 16)
   D-2-s16   LocalSGD with DiLoCo's outer Nesterov step, every 16 steps
   *-wide    the same on a link-bound MLP; D-2-s16-lrX-wide: DiLoCo with outer lr X, not 0.7
+  C-2-fp16-wide, C-2-bf16-wide, C-2-psgd4-wide: CollectiveAllReduce with compression= fp16,
+            bf16, PowerSGD rank 4
 Each row: examples/s (median of the timed epochs), bytes this worker sent per step (on its
 sockets for LocalSGD; what CollectiveAllReduce hands its ring, by ring arithmetic, for B-2),
 and accuracy on 8,192 held-out images after the same number of examples, once per seed
@@ -54,6 +56,17 @@ ROWS = [  # (row, model, label, worker strategy, workload, ps tasks): multihost'
     ("D-2-s16-wide", "wide MLP", "DiLoCo (outer Nesterov), sync every 16", "diloco-16", WIDE, 0),
     ("D-2-s16-lr0.5-wide", "wide MLP", "DiLoCo, outer lr 0.5", "diloco-16-lr0.5", WIDE, 0),
     ("D-2-s16-lr1.0-wide", "wide MLP", "DiLoCo, outer lr 1.0", "diloco-16-lr1.0", WIDE, 0),
+    # Synchronous with compressed gradients (`compression=`): every step, fewer bytes.
+    ("C-2-fp16-wide", "wide MLP", "CollectiveAllReduce, fp16", "collective-fp16", WIDE, 0),
+    ("C-2-bf16-wide", "wide MLP", "CollectiveAllReduce, bf16", "collective-bf16", WIDE, 0),
+    (
+        "C-2-psgd4-wide",
+        "wide MLP",
+        "CollectiveAllReduce, PowerSGD rank 4",
+        "collective-powersgd4",
+        WIDE,
+        0,
+    ),  # fmt: skip
 ]
 
 

@@ -155,6 +155,9 @@ def run_netns(net, row, args) -> dict:
             "OMP_NUM_THREADS": threads,
             "PYTHONUNBUFFERED": "1",
             "TF_CPP_MIN_LOG_LEVEL": "2",
+            # As on two machines: the TCP ring, not the shared memory two workers of one
+            # machine would use (memory files cross network namespaces).
+            "TFSTRAT_RING_SHARED_MEMORY": "0",
         }
 
     servers = [

@@ -44,6 +44,7 @@ with strategy.scope():
     model = keras.Model([xi, ii], keras.layers.Add()([dense, row]))
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
 
+
 def named(step):  # {w{step}_kernel: ..., ...}; under Hybrid the table is read from the ps
     dense, table = model.get_layer("dense"), model.get_layer("table")
     kernel, bias = dense.get_weights()

@@ -4,7 +4,8 @@ Run by the benchmark drivers through `tfstrat launch`, one per task:
     python -m tfstrat.bench._worker '{"strategy": "collective", "model": "small", ...}'
 
 Strategies: "none" (no strategy), "mirrored" (MirroredNCCL), "collective"
-(CollectiveAllReduce), "ps-sync" / "ps-async" (ParameterServer), "hybrid", "localsgd-N"
+(CollectiveAllReduce; "collective-fp16", "collective-bf16", "collective-powersgdR": with
+`compression=`), "ps-sync" / "ps-async" (ParameterServer), "hybrid", "localsgd-N"
 (LocalSGD, sync every N steps), "diloco-N" (LocalSGD with DiLoCo's outer Nesterov step;
 "diloco-N-lrX": its outer learning rate X instead of 0.7), and
 the stock peers "tfkeras-none", "tfkeras-mirrored", "tfkeras-mwms"
@@ -61,6 +62,13 @@ def _strategy(tf, name: str, devices: int):
         import tfstrat
 
         return tfstrat.CollectiveAllReduce(devices=devices if devices > 1 else None, timeout=120)
+    if name.startswith("collective-"):  # "collective-fp16", "collective-bf16", "-powersgdR"
+        import tfstrat
+
+        method = name.split("-", 1)[1]
+        if method.startswith("powersgd") and method[8:].isdigit():
+            method = tfstrat.PowerSGD(rank=int(method[8:]))
+        return tfstrat.CollectiveAllReduce(compression=method, timeout=120)
     if name == "hybrid":
         import tfstrat
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tfstrat.errors import UsageError
+from tfstrat.reduce.ring import Results
 
 ROUNDING = {"fp16": "float16", "bf16": "bfloat16"}
 
@@ -156,6 +157,10 @@ class PowerSGDState:
         r = config.rank
         self.factor_floats = sum(r * (m[0] + m[1]) for m in self.matrices if m)
         self.exact_floats = sum(s for s, f in zip(self.sizes, self.factored) if not f)
+        # Kept between steps: fresh memory of the model's size would be page-faulted in every
+        # step. The result goes to TensorFlow without a copy (`ring.Results`).
+        self._results = Results()
+        self._scratch = np.empty(total, np.float32)
 
     def exchange(self, ring, lossy, exact, gathers):
         n = ring.size
@@ -178,7 +183,7 @@ class PowerSGDState:
             part = summed[at : at + p.size].reshape(p.shape)
             at += p.size
             p_hats.append(np.linalg.qr(part)[0].astype(np.float32, copy=False))
-        out = np.empty_like(lossy)
+        out = self._results.get(lossy.shape, np.float32)
         outs = [out[a:b] for a, b in zip(starts[:-1], starts[1:])]
         for o, f in zip(outs, self.factored):
             if not f:
@@ -201,9 +206,11 @@ class PowerSGDState:
                 self.q[k] = q  # the warm start of the next step
                 i += 1
         # e_i = M_i - approximation / n: only the factored parts leave anything behind.
-        for v, o, f in zip(views, outs, self.factored):
+        scratch = [self._scratch[a:b] for a, b in zip(starts[:-1], starts[1:])]
+        for v, o, t, f in zip(views, outs, scratch, self.factored):
             if f:
-                v -= o / n
+                np.divide(o, n, out=t)
+                v -= t
             else:
                 v[:] = 0.0
         return out, exact_sum, gathered

@@ -21,7 +21,7 @@ what has come, sum what is complete), so no thread hand-off sits on a step's pat
 overlaps the transfer; a message of 4 MiB or more is sent by a second thread while the caller
 receives, so the kernel's two copies run on two cores. Buffers are kept between calls: a
 step's exchange allocates nothing but the gathered blocks (fresh memory would be page-faulted
-in every step), and its result reaches TensorFlow without a copy (`_Results`).
+in every step), and its result reaches TensorFlow without a copy (`Results`).
 
 Every message carries a header (call number, its parts' sizes), so workers that disagree on
 what they exchange fail with an error naming both sides instead of mixing data. A call fails
@@ -87,7 +87,7 @@ class Ring:
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         self._scratch_buf: np.ndarray | None = None
-        self._results = _Results()
+        self._results = Results()
         nxt, prev = (rank + 1) % self.size, (rank - 1) % self.size
         self._next = _connect(addresses[nxt], timeout, self.names[nxt])
         self._next.sendall(_HELLO.pack(rank, self.size))
@@ -156,7 +156,7 @@ class Ring:
         """One round for a whole step: the sum of `reduce` over every worker (None: none), and
         for each of `gathers` every worker's block concatenated along axis 0 by rank (as
         `all_gather`). The summed array may be one of the ring's buffers, reused once
-        nothing refers to it any more (`_Results`)."""
+        nothing refers to it any more (`Results`)."""
         with self._lock:
             if self._error is not None:
                 raise RingError(f"the ring failed earlier and cannot be used: {self._error}")
@@ -368,7 +368,7 @@ class Ring:
         return False
 
 
-class _Results:
+class Results:
     """Result buffers kept between calls, each reused only once nothing refers to it.
 
     `tf.numpy_function` does not always copy what it returns: an array aligned to 64 bytes
