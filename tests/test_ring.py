@@ -4,6 +4,8 @@ The ring's peers are threads here; tests/test_collective.py runs it between work
 inside Keras training (CollectiveAllReduce uses it by default on CPU-only workers).
 """
 
+import logging
+import socket
 import threading
 import time
 
@@ -11,6 +13,7 @@ import numpy as np
 import pytest
 
 from tfstrat.cluster import ports as _ports
+from tfstrat.cluster import secret
 from tfstrat.errors import RingError
 from tfstrat.reduce import ring, shared_memory
 
@@ -260,3 +263,40 @@ def test_an_offer_of_something_that_is_not_a_memory_file_is_declined_without_blo
     finally:
         os.close(read)
         os.close(write)
+
+
+def test_only_the_jobs_tasks_join_the_ring(caplog, monkeypatch):
+    """A stranger that connects to a worker's ring port first is refused and logged with its
+    address, and the ring still forms; a worker with another job's secret (another job, or
+    an earlier attempt) is refused both ways, by name."""
+    monkeypatch.setattr(secret, "_refused", set())  # each address is logged once a process
+    listeners = [ring.listen("127.0.0.1") for _ in range(2)]
+    addresses = [_ports.join("127.0.0.1", s.getsockname()[1]) for s in listeners]
+    stranger = socket.create_connection(("127.0.0.1", listeners[0].getsockname()[1]))
+    stranger.sendall(b"stats " * 20)  # not the handshake: refused before anything is read
+    with caplog.at_level(logging.WARNING, logger="tfstrat.cluster.secret"):
+        rings, errors = _on_threads(
+            lambda i: ring.Ring(i, addresses, listeners[i], 30.0, key=b"job A"), 2
+        )
+    assert errors == [None, None], errors
+    sums, errors = _on_threads(lambda i: rings[i].all_reduce(np.ones(3, np.float32)), 2)
+    assert errors == [None, None] and sums[0].tolist() == [2.0, 2.0, 2.0], (sums, errors)
+    assert "this worker's ring refused a connection from 127.0.0.1" in caplog.text
+    assert stranger.recv(100)[:5] == b"TFSJ1"  # the challenge, then nothing: closed
+    try:
+        assert stranger.recv(100) == b""
+    except ConnectionResetError:  # closed with the stranger's bytes unread
+        pass
+    stranger.close()
+    for r in rings:
+        r.close()
+
+    listeners = [ring.listen("127.0.0.1") for _ in range(2)]
+    addresses = [_ports.join("127.0.0.1", s.getsockname()[1]) for s in listeners]
+    keys = [b"job A, attempt 1", b"job A, attempt 0"]
+    started = time.monotonic()
+    _, errors = _on_threads(lambda i: ring.Ring(i, addresses, listeners[i], 3.0, key=keys[i]), 2)
+    assert all(isinstance(e, RingError) for e in errors), errors
+    words = " ".join(str(e) for e in errors)
+    assert "refused this task: its job secret differs" in words, words
+    assert time.monotonic() - started < 3.0 + 10, "within the timeout and the handshake's"

@@ -20,6 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tfstrat.cluster import secret
 from tfstrat.cluster.ports import free_port
 from tfstrat.ps import tables, wire
 
@@ -73,9 +74,13 @@ def _still_serves(worker) -> None:
     assert rows.shape == (8,) and not rows.any()
 
 
-def _exchange(port: int, data: bytes, wait: float = 2.0):
-    """Sends `data` on a new connection, ends its sending side, returns what comes back."""
+def _exchange(port: int, data: bytes, wait: float = 2.0, handshake: bool = True):
+    """Sends `data` on a new connection (after the job handshake, as a task of this job:
+    this process has no secret, nor has the server), ends its sending side, returns what
+    comes back."""
     with socket.create_connection(("127.0.0.1", port), timeout=wait) as sock:
+        if handshake:
+            secret.connect(sock, secret.key(), "the table server", wait)
         try:
             sock.sendall(data)
             sock.shutdown(socket.SHUT_WR)
@@ -116,6 +121,17 @@ def test_fuzz_random_bytes(server, data):
     port, worker = server
     for reply in _replies(_exchange(port, data)):
         assert "error" in reply, reply
+    _still_serves(worker)
+
+
+@FUZZ
+@given(data=st.binary(max_size=200))
+def test_fuzz_the_handshake(server, data):
+    """Bytes from someone who does not know the job's secret: nothing but the server's
+    challenge comes back, and the server goes on serving the job's tasks."""
+    port, worker = server
+    got = _exchange(port, data, handshake=False)
+    assert got[: len(secret.MAGIC)] == secret.MAGIC and len(got) == len(secret.MAGIC) + 16, got
     _still_serves(worker)
 
 
@@ -203,6 +219,7 @@ def test_caps_and_the_read_deadline(server, monkeypatch):
     slow_server, _ = tables.serve_tables("127.0.0.1", slow_port, "ps:1")
     frame = _frame({"method": "stats", "arrays": []})
     with socket.create_connection(("127.0.0.1", slow_port), timeout=10) as slow:
+        secret.connect(slow, secret.key(), "ps:1's table server", 10)
         start = time.monotonic()
         for byte in frame[:6]:  # one byte every 0.2 s: the frame would take 5 s
             try:

@@ -96,6 +96,7 @@ def run(args) -> int:
             show=args.show,
             log_dir=args.log_dir,
             verbose=args.verbose,
+            secret_file=args.secret_file,
         )
     except ValueError as e:
         print(f"tfstrat launch: {e}", file=sys.stderr)
@@ -144,6 +145,14 @@ def add_parser(sub) -> None:
         default=_args.env("private-network", False, bool),
         help="run every task in one new network namespace with only loopback up: nothing of "
         "the job is reachable from outside (one machine; needs user namespaces or root)",
+    )
+    g.add_argument(
+        "--secret-file",
+        default=_args.env("secret-file", None, str),
+        metavar="PATH",
+        help="the job's secret, the same file on every node (also TFSTRAT_SECRET_FILE): "
+        "tfstrat's ring and table servers let in only this job's tasks of this attempt; "
+        "default: a random one per attempt on one machine, none across nodes",
     )
     g = p.add_argument_group("Devices")
     g.add_argument(

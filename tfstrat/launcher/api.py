@@ -38,6 +38,7 @@ from typing import TextIO
 
 from tfstrat.cluster import TFConfig
 from tfstrat.cluster import ports as _ports
+from tfstrat.cluster import secret as _secret
 from tfstrat.cluster.layout import NodeLayout
 from tfstrat.errors import UsageError
 from tfstrat.launcher import tasks as _tasks
@@ -94,6 +95,11 @@ class LaunchConfig:
             when `show` hides any task, else no files.
         verbose: hide nothing: tasks keep TensorFlow's logging settings
             (`TF_CPP_MIN_LOG_LEVEL`), and its start-up lines are shown (`tfstrat/runtime/quiet.py`).
+        secret_file: a file holding the job's secret (`tfstrat.cluster.secret`), the same on
+            every node; None: `TFSTRAT_SECRET_FILE` or `TFSTRAT_SECRET` if set, else a random
+            one (one machine) or none (nodes: the ports stay open, with a warning). Tasks get a
+            secret of their attempt in `TFSTRAT_SECRET`, so tfstrat's ring and table servers
+            refuse tasks of other jobs and of earlier attempts.
     """
 
     command: Sequence[str]
@@ -111,6 +117,7 @@ class LaunchConfig:
     show: str = "all"
     log_dir: str | None = None
     verbose: bool = False
+    secret_file: str | None = None
 
     def __post_init__(self):
         if not self.command:
@@ -119,6 +126,8 @@ class LaunchConfig:
             raise UsageError(f"Received: workers={self.workers}. A cluster needs >= 1 worker.")
         if self.ps < 0:
             raise UsageError(f"Received: ps={self.ps}. Use 0 or more ps tasks.")
+        if self.secret_file is not None:
+            _secret.read_file(self.secret_file)  # unreadable or empty: said now, by name
         if self.threads_per_task is not None and self.threads_per_task < 0:
             raise UsageError(
                 f"Received: threads_per_task={self.threads_per_task}. Use >= 1, 0 for "
@@ -250,14 +259,32 @@ def _say_output(config: LaunchConfig, out: TextIO) -> None:
     out.flush()
 
 
+def _job_secret(config: LaunchConfig) -> bytes | None:
+    """The job's secret: `secret_file`, `TFSTRAT_SECRET_FILE`, `TFSTRAT_SECRET`, else a random
+    one on one machine; None across nodes without one (each node would draw its own)."""
+    path = config.secret_file or os.environ.get(_secret.FILE_ENV)
+    if path:
+        return _secret.read_file(path)
+    if os.environ.get(_secret.ENV):
+        return os.environ[_secret.ENV].encode()
+    return None if config.nodes is not None else os.urandom(32)
+
+
 def _task_env(
-    config: LaunchConfig, tf_config: TFConfig, task: str, index: int, restart: int
+    config: LaunchConfig,
+    tf_config: TFConfig,
+    task: str,
+    index: int,
+    restart: int,
+    secret: str | None = None,
 ) -> dict:
     env = dict(os.environ)
     env.update(config.env or {})
     env.update(tf_config.for_task(task, index).to_env())
     env["TFSTRAT_TASK"] = f"{task}:{index}"
     env["TFSTRAT_RESTART"] = str(restart)
+    if secret is not None:  # this attempt's: tasks of other jobs and attempts are refused
+        env[_secret.ENV] = secret
     if config.nodes is not None:
         env["TFSTRAT_NODE_RANK"] = str(config.nodes.rank)
     env["PYTHONUNBUFFERED"] = "1"
@@ -351,7 +378,13 @@ class _Attempt:
     deadline passes."""
 
     def __init__(
-        self, config: LaunchConfig, tf_config: TFConfig, out: TextIO, restart: int, start: int
+        self,
+        config: LaunchConfig,
+        tf_config: TFConfig,
+        out: TextIO,
+        restart: int,
+        start: int,
+        secret: str | None = None,
     ):
         self.config, self.out = config, out
         server = [sys.executable, "-m", "tfstrat", "server"]
@@ -365,7 +398,7 @@ class _Attempt:
                 task = Task(
                     name,
                     server if t == "ps" else config.command,
-                    _task_env(config, tf_config, t, i, restart),
+                    _task_env(config, tf_config, t, i, restart, secret),
                     out,
                     shown=name in shown,
                     log=_open_log(config, name, start),
@@ -503,9 +536,18 @@ def _no_restart_reason(failure: Failure, restarts_done: int, restarts: int) -> s
 def _attempts(config: LaunchConfig, out: TextIO, deadline: float | None) -> int:
     """Runs attempts until one succeeds, times out, or fails without a restart left."""
     restart = port_retry = 0
+    base = _job_secret(config)
+    if base is None:
+        out.write(
+            "tfstrat launch: no job secret (--secret-file or TFSTRAT_SECRET_FILE, the same file "
+            "on every node): tfstrat's ring and table-server ports take connections from anyone "
+            "who reaches them.\n"
+        )
     while True:
         start = restart + port_retry
-        outcome = _Attempt(config, _local_cluster(config), out, restart, start).run(deadline)
+        secret = None if base is None else _secret.for_attempt(base, start)  # new every start
+        cluster = _local_cluster(config)
+        outcome = _Attempt(config, cluster, out, restart, start, secret).run(deadline)
         if outcome.port_taken:
             if port_retry >= config.port_retries:
                 out.write("tfstrat launch: every retry found a port taken; giving up.\n")

@@ -37,6 +37,7 @@ import time
 import numpy as np
 
 from tfstrat.cluster import ports as _ports
+from tfstrat.cluster import secret as _secret
 from tfstrat.errors import TableServerError, UsageError
 
 logger = logging.getLogger(__name__)
@@ -180,6 +181,7 @@ class Server:
         self.listener, self.handler, self.name = listener, handler, name
         # Read once: a bad value fails here, when the server starts, naming the variable.
         self.cap, self.deadline = max_frame_bytes(), read_deadline()
+        self.key = _secret.key()
         host, port = listener.getsockname()[:2]
         self.address = f"{host}:{port}"
         threading.Thread(target=self._accept, name=f"{name} accept", daemon=True).start()
@@ -199,6 +201,10 @@ class Server:
 
     def _serve(self, conn: socket.socket):
         with conn:
+            try:  # only the job's tasks get in (`tfstrat.cluster.secret`); refusals are logged
+                _secret.accept(conn, self.key, self.name)
+            except _secret.Refused:
+                return
             while True:
                 try:
                     conn.settimeout(None)  # idle between calls as long as the worker likes
@@ -289,6 +295,13 @@ class Connection:
                     time.sleep(0.05)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(self.timeout)
+            try:
+                _secret.connect(sock, _secret.key(), f"{self.task}'s table server", self.timeout)
+            except _secret.Refused as e:
+                sock.close()
+                raise TableServerError(
+                    f"tfstrat: could not join {self.task}'s table server at {self.address}: {e}"
+                ) from None
             self._sock = sock
         return self._sock
 

@@ -41,6 +41,7 @@ import time
 import numpy as np
 
 from tfstrat.cluster import ports as _ports
+from tfstrat.cluster import secret as _secret
 from tfstrat.errors import RingError
 from tfstrat.reduce import shared_memory
 
@@ -54,6 +55,23 @@ _HELLO = struct.Struct("!II")  # sender rank, group size
 _THREAD_BYTES = 1 << 22
 # Sums are done in pieces of at least this many bytes as they arrive (fewer numpy calls).
 _SUM_PIECE = 1 << 18
+# The largest block of rows another worker may send for one gather (a sparse gradient's rows):
+# its size comes from the other worker's header, so it is checked before allocating.
+MAX_BLOCK_ENV = "TFSTRAT_RING_MAX_BLOCK_BYTES"
+
+
+def max_block_bytes() -> int:
+    """The most bytes one gathered block may have (`TFSTRAT_RING_MAX_BLOCK_BYTES`, 4 GiB)."""
+    import os
+
+    raw = os.environ.get(MAX_BLOCK_ENV)
+    try:
+        value = int(raw) if raw is not None else 1 << 32
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise RingError(f"Received: {MAX_BLOCK_ENV}={raw!r}. Use a positive number of bytes.")
+    return value
 
 
 class Ring:
@@ -65,6 +83,8 @@ class Ring:
         listener: this worker's bound, listening socket (at addresses[rank]).
         timeout: seconds a call may go without a byte moving (and any connect may take).
         names: how errors name each worker (e.g. TensorFlow's "/job:worker/replica:0/task:1").
+        key: the job's secret both neighbours must prove (`tfstrat.cluster.secret`); None:
+            this task's (`TFSTRAT_SECRET` / `TFSTRAT_SECRET_FILE`).
     """
 
     def __init__(
@@ -74,6 +94,7 @@ class Ring:
         listener: socket.socket,
         timeout: float,
         names: list[str] | None = None,
+        key: bytes | None = None,
     ):
         self.rank, self.size, self.timeout = rank, len(addresses), timeout
         self.addresses = addresses
@@ -89,9 +110,35 @@ class Ring:
         self._scratch_buf: np.ndarray | None = None
         self._results = Results()
         nxt, prev = (rank + 1) % self.size, (rank - 1) % self.size
-        self._next = _connect(addresses[nxt], timeout, self.names[nxt])
-        self._next.sendall(_HELLO.pack(rank, self.size))
-        self._prev = _accept(listener, timeout, prev, self.size, self.names[prev])
+        key = _secret.key() if key is None else key  # only the job's tasks get in
+        # Connecting to the next worker and accepting the previous one run at once: each
+        # side's handshake waits for the other's, all around the ring.
+        connected: dict = {}
+
+        def connect():
+            try:
+                sock = _connect(addresses[nxt], timeout, self.names[nxt], key)
+                sock.sendall(_HELLO.pack(rank, self.size))
+                connected["socket"] = sock
+            except BaseException as e:  # raised by the constructor, below
+                connected["error"] = e
+
+        connector = threading.Thread(target=connect, name="tfstrat-ring-connect", daemon=True)
+        connector.start()
+        try:
+            self._prev = _accept(listener, timeout, prev, self.size, self.names[prev], key)
+        except RingError:
+            connector.join(timeout + 1)  # a failed connect names the missing peer: say that
+            if "error" in connected:
+                raise connected["error"] from None
+            raise
+        connector.join(2 * timeout + _secret.HANDSHAKE_SECONDS)
+        if "socket" not in connected:
+            self._prev.close()
+            raise connected.get("error") or RingError(
+                f"connecting to {self.names[nxt]} took over {2 * timeout} s"
+            )
+        self._next = connected["socket"]
         listener.close()
         # Two workers on one machine: their messages go through shared memory.
         self._shared = self._share_memory(timeout) if self.size == 2 else None
@@ -634,6 +681,12 @@ class _Rows(_Into):
 
     def accepts(self, nbytes: int) -> bool:
         ok = nbytes % self.row_bytes == 0 if self.row_bytes else nbytes == 0
+        if ok and nbytes > max_block_bytes():  # checked before anything is allocated
+            raise RingError(
+                f"the other worker announced a block of {nbytes:,} bytes to gather, over the "
+                f"ring's cap of {max_block_bytes():,} ({MAX_BLOCK_ENV}): raise it for larger "
+                "sparse gradients, or look for a worker that runs another program"
+            )
         if ok:
             rows = nbytes // self.row_bytes if self.row_bytes else 0
             if self.rank is None:
@@ -668,29 +721,50 @@ def _tune(s: socket.socket, timeout: float) -> socket.socket:
     return s
 
 
-def _connect(address: str, timeout: float, who: str) -> socket.socket:
+def _connect(address: str, timeout: float, who: str, key: bytes) -> socket.socket:
     host, port = _ports.split(address)
     deadline = time.monotonic() + timeout
     while True:
         try:
-            return _tune(socket.create_connection((host, int(port)), timeout=timeout), timeout)
+            sock = _tune(socket.create_connection((host, int(port)), timeout=timeout), timeout)
         except OSError as e:
             if time.monotonic() > deadline:
                 raise RingError(
                     f"Could not connect to {who} within {timeout} s ({e}). Is it running?"
                 ) from e
             time.sleep(0.05)
+            continue
+        try:
+            _secret.connect(sock, key, who, timeout)
+        except _secret.Refused as e:
+            sock.close()
+            raise RingError(f"tfstrat ring: {e}") from None
+        return sock
 
 
 def _accept(
-    listener: socket.socket, timeout: float, rank: int, size: int, who: str
+    listener: socket.socket, timeout: float, rank: int, size: int, who: str, key: bytes
 ) -> socket.socket:
-    listener.settimeout(timeout)
-    try:
-        conn, _ = listener.accept()
-    except TimeoutError as e:
-        raise RingError(f"{who} did not connect to this worker's ring within {timeout} s") from e
-    conn = _tune(conn, timeout)
+    """The previous worker's connection; anyone else who connects first (without the job's
+    secret) is refused, logged and dropped, and the wait goes on."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            if left <= 0:
+                raise TimeoutError
+            listener.settimeout(left)
+            conn, _ = listener.accept()
+        except TimeoutError as e:
+            raise RingError(
+                f"{who} did not connect to this worker's ring within {timeout} s"
+            ) from e
+        conn = _tune(conn, timeout)
+        try:
+            _secret.accept(conn, key, "this worker's ring", deadline - time.monotonic())
+            break
+        except _secret.Refused:
+            conn.close()
     got_rank, got_size = _HELLO.unpack(_read(conn, _HELLO.size, who, timeout))
     if (got_rank, got_size) != (rank, size):
         raise RingError(

@@ -140,6 +140,8 @@ class PeerRegion:
             self._open(fd, generation, slot)
         view, at, out = memoryview(self.map), parity * self.slot, []
         for n in sizes:
+            if at + n > (parity + 1) * self.slot:  # a header that lies: not beyond the slot
+                raise OSError(f"parts of {sizes} bytes do not fit a slot of {self.slot} bytes")
             out.append(view[at : at + n])
             at += _aligned(n)
         return out

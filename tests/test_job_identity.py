@@ -1,0 +1,113 @@
+"""Only the job's own tasks get into tfstrat's listeners (`tfstrat.cluster.secret`): the ps
+tasks' table servers and the workers' ring (tests/test_ring.py) refuse anyone who cannot prove
+the job's secret, and `tfstrat launch` gives each attempt its own."""
+
+import hashlib
+import io
+import json
+import re
+import socket
+import struct
+import sys
+import time
+
+import pytest
+from cluster import start_task
+
+from tfstrat import LaunchConfig, TFConfig, launch
+from tfstrat.cluster import ports, secret
+from tfstrat.errors import TableServerError, UsageError
+from tfstrat.ps import wire
+
+
+def _stats_frame() -> bytes:
+    head = json.dumps({"method": "stats", "arrays": []}).encode()
+    return struct.pack("<I", len(head)) + head
+
+
+@pytest.mark.timeout(120)
+def test_a_stranger_gets_nothing_from_a_ps_table_server(monkeypatch):
+    """Was: a plain client on the ps's TF_CONFIG port + 1 sent a `stats` frame and got its
+    answer (and could read or push any table's rows)."""
+    monkeypatch.setenv(secret.ENV, "the job's secret")
+    config = TFConfig.local(workers=1, ps=1)
+    host, port = config.addresses("ps")[0].rsplit(":", 1)
+    table = f"{host}:{int(port) + 1}"
+    ps = start_task(config, "ps", 0, "-m", "tfstrat", "server")
+    try:
+        deadline = time.monotonic() + 60
+        while not ports.accepts(table):
+            assert ps.poll() is None and time.monotonic() < deadline, "the ps did not start"
+            time.sleep(0.2)
+        # 1. A plain client: its frame is never read; it gets the challenge, then the end.
+        with socket.create_connection((host, int(port) + 1), timeout=15) as plain:
+            plain.sendall(_stats_frame())
+            got = b""
+            try:
+                while chunk := plain.recv(4096):
+                    got += chunk
+            except ConnectionResetError:  # closed with the frame unread
+                pass
+        assert got[: len(secret.MAGIC)] == secret.MAGIC and len(got) == len(secret.MAGIC) + 16
+        # 2. A tfstrat task of another job (or attempt): refused, by name.
+        monkeypatch.setenv(secret.ENV, "another job's secret")
+        other = wire.Connection(table, 15, "ps:0")
+        with pytest.raises(TableServerError, match="refused this task: its job secret differs"):
+            other.send("stats")
+        # 3. The job's own task: served.
+        monkeypatch.setenv(secret.ENV, "the job's secret")
+        own = wire.Connection(table, 15, "ps:0")
+        own.send("stats")
+        (stats,) = own.receive("stats")
+        assert stats.size >= 1
+        own.close()
+    finally:
+        ps.kill()
+        out = ps.communicate(timeout=30)[0]
+    # Each refusal logged, with the address; once per address (a scanner cannot flood it).
+    refusals = re.findall(r"table server .*refused a connection from (\S+): (.*)", out)
+    assert len(refusals) == 1, out[-3000:]
+    assert refusals[0][0].startswith(host) and "handshake" in refusals[0][1], refusals
+
+
+_PRINT_SECRET = (
+    "import hashlib, os, sys; r = os.environ['TFSTRAT_RESTART']; "
+    "print('SECRET', r, hashlib.sha256(os.environ['TFSTRAT_SECRET'].encode()).hexdigest(), "
+    "flush=True); sys.exit(1 if r == '0' and {fail} else 0)"
+)
+
+
+def _secrets(out: str) -> dict[str, set[str]]:
+    seen: dict[str, set[str]] = {}
+    for attempt, digest in re.findall(r"SECRET (\d+) ([0-9a-f]+)", out):
+        seen.setdefault(attempt, set()).add(digest)
+    return seen
+
+
+@pytest.mark.timeout(120)
+def test_every_attempt_of_a_launch_has_its_own_secret():
+    out = io.StringIO()
+    command = [sys.executable, "-c", _PRINT_SECRET.format(fail=True)]
+    code = launch(LaunchConfig(command, workers=2, restarts=1, threads_per_task=1), out)
+    assert code == 0, out.getvalue()[-3000:]
+    seen = _secrets(out.getvalue())
+    assert set(seen) == {"0", "1"}, out.getvalue()[-3000:]
+    assert len(seen["0"]) == len(seen["1"]) == 1  # both workers of an attempt share it
+    assert seen["0"] != seen["1"]  # a task of the failed attempt is refused by the next
+
+
+@pytest.mark.timeout(120)
+def test_a_secret_file_gives_every_node_the_same_secret(tmp_path):
+    path = tmp_path / "secret"
+    path.write_text("shared by every node\n")
+    out = io.StringIO()
+    command = [sys.executable, "-c", _PRINT_SECRET.format(fail=False)]
+    code = launch(LaunchConfig(command, workers=1, secret_file=str(path)), out)
+    assert code == 0, out.getvalue()[-3000:]
+    expected = hashlib.sha256(secret.for_attempt(b"shared by every node", 0).encode())
+    assert _secrets(out.getvalue()) == {"0": {expected.hexdigest()}}
+    for bad, words in ((tmp_path / "missing", "cannot be read"), (tmp_path / "empty", "empty")):
+        if "empty" in str(bad):
+            bad.write_text("  \n")
+        with pytest.raises(UsageError, match=f"{re.escape(repr(str(bad)))}.*{words}|{words}"):
+            LaunchConfig(command, secret_file=str(bad))
