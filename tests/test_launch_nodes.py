@@ -477,3 +477,23 @@ def test_a_taken_port_fails_a_node_without_retries_naming_the_port(tmp_path, cap
     assert "retrying" not in out
     assert "ps:0 on node 1 (127.0.0.1) failed first" in out, out[-3000:]
     assert "A multi-node run's ports are fixed (no retries)" in out
+
+
+@pytest.mark.cluster
+@pytest.mark.faults
+@pytest.mark.timeout(200)
+def test_a_ps_only_node_gives_up_on_a_node_that_never_starts(capsys):
+    """Was: a node holding only a ps task waited forever when another node never started."""
+    base = _free_base(4)
+    argv = ["launch", "--nodes", f"127.0.0.1:{base},127.0.0.1:{base + 2}", "--node-rank", "1"]
+    argv += ["--workers-per-node", "1,0", "--ps-per-node", "0,1", "--peer-timeout", "5"]
+    started = time.monotonic()
+    code = cli.main([*argv, "--", PY, "-c", "pass"])  # node 0 is never started
+    took = time.monotonic() - started
+    out = capsys.readouterr().out
+    assert code == 1, out[-3000:]
+    assert f"worker:0 at 127.0.0.1:{base} on node 0 (127.0.0.1) never came up within 5 s" in out, (
+        out[-3000:]
+    )
+    assert "stopping ps:0" in out and "--peer-timeout" in out
+    assert took < 5 + 30, took  # the deadline, a ps's start-up and a busy machine's slack

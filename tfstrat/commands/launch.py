@@ -97,6 +97,7 @@ def run(args) -> int:
             log_dir=args.log_dir,
             verbose=args.verbose,
             secret_file=args.secret_file,
+            peer_timeout=args.peer_timeout,
         )
     except ValueError as e:
         print(f"tfstrat launch: {e}", file=sys.stderr)
@@ -178,6 +179,14 @@ def add_parser(sub) -> None:
         help="when a task fails, stop all and start all again on fresh ports, up to K times "
         "(default 0); tasks see the attempt in TFSTRAT_RESTART. Not with --nodes: restart the "
         "whole job",
+    )
+    g.add_argument(
+        "--peer-timeout",
+        type=float,
+        default=_args.env("peer-timeout", 300.0, float),
+        metavar="SECONDS",
+        help="a node with only ps tasks gives up, naming them, when another node's workers "
+        "have not come up within this (default 300)",
     )
     g.add_argument(
         "--grace",

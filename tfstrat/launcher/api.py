@@ -95,6 +95,9 @@ class LaunchConfig:
             when `show` hides any task, else no files.
         verbose: hide nothing: tasks keep TensorFlow's logging settings
             (`TF_CPP_MIN_LOG_LEVEL`), and its start-up lines are shown (`tfstrat/runtime/quiet.py`).
+        peer_timeout: seconds a node holding only ps tasks waits for every other node's
+            workers to come up (their TensorFlow ports to accept); past it, it stops its ps
+            tasks and exits 1, naming the workers that never came up.
         secret_file: a file holding the job's secret (`tfstrat.cluster.secret`), the same on
             every node; None: `TFSTRAT_SECRET_FILE` or `TFSTRAT_SECRET` if set, else a random
             one (one machine) or none (nodes: the ports stay open, with a warning). Tasks get a
@@ -117,6 +120,7 @@ class LaunchConfig:
     show: str = "all"
     log_dir: str | None = None
     verbose: bool = False
+    peer_timeout: float = 300.0
     secret_file: str | None = None
 
     def __post_init__(self):
@@ -128,6 +132,10 @@ class LaunchConfig:
             raise UsageError(f"Received: ps={self.ps}. Use 0 or more ps tasks.")
         if self.secret_file is not None:
             _secret.read_file(self.secret_file)  # unreadable or empty: said now, by name
+        if not self.peer_timeout > 0:
+            raise UsageError(
+                f"Received: peer_timeout={self.peer_timeout!r}. Use a number of seconds > 0."
+            )
         if self.threads_per_task is not None and self.threads_per_task < 0:
             raise UsageError(
                 f"Received: threads_per_task={self.threads_per_task}. Use >= 1, 0 for "
@@ -355,6 +363,12 @@ class _OtherNodes:
                 return False
             return not self.up and (assume_seen or self.seen == set(self.trainers))
 
+    def never_seen(self) -> list[str]:
+        """The other nodes' workers whose port has not accepted once yet, with their places."""
+        with self._lock:
+            return [f"{n} at {self.trainers[n]} on {self.places[n]}" for n in self.trainers
+                    if n not in self.seen]  # fmt: skip
+
     def waiting_for(self, assume_seen: bool) -> str:
         with self._lock:
             names = [
@@ -443,6 +457,9 @@ class _Attempt:
             if code:  # a ps that exits 0 is fine once the workers need it no more
                 return self._fail(task, code)
         self._note_left_early()
+        missing = self._never_came_up()
+        if missing:
+            return self._give_up(missing)
         if all(t.poll() == 0 for t in self.train) and self._others_ended():
             _tasks.stop(self.ps, self.config.grace)
             _tasks.stop(self.train, 0)  # nothing left to stop: waits for their last output
@@ -477,6 +494,27 @@ class _Attempt:
             )
             self.out.flush()
         return self.others.ended(max(self.done_at, self.started_at), bool(self.train))
+
+    def _never_came_up(self) -> list[str]:
+        """On a node of only ps tasks (nothing else fails it), the other nodes' workers that
+        have not come up within `peer_timeout`."""
+        if self.others is None or self.train:
+            return []
+        if time.monotonic() - self.started_at <= self.config.peer_timeout:
+            return []
+        return self.others.never_seen()
+
+    def _give_up(self, missing: list[str]) -> _Outcome:
+        ps = ", ".join(t.name for t in self.ps)
+        self.out.write(
+            f"tfstrat launch: {self._here()}: {', '.join(missing)} never came up within "
+            f"{self.config.peer_timeout:g} s (nothing listened there); stopping {ps}. Start "
+            "every node's launcher (the same --nodes, its own --node-rank), or raise "
+            "--peer-timeout.\n"
+        )
+        self.out.flush()
+        _tasks.stop(self.everyone, self.config.grace)
+        return _Outcome(1)
 
     def _here(self) -> str:
         return self.config.nodes.node.where if self.config.nodes is not None else "this node"
