@@ -213,7 +213,10 @@ def main(argv=None) -> int:
                     raise SystemExit(f"{path}: seed(s) {sorted(repeated)} of {other['row']} "
                                      "are in an earlier run too; render runs of other seeds")  # fmt: skip
                 row["seeds"].update(_by_seed(other))
-        print(table(rows, saved["links_mb_per_s"], args, saved["machine"]))
+        links = {}  # every network of every run: a run's seeds may be on another network
+        for run in runs:
+            links.update(run["links_mb_per_s"])
+        print(table(rows, links, args, saved["machine"]))
         return 0
 
     import netns
