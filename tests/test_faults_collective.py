@@ -217,6 +217,44 @@ def test_hybrid_workers_name_a_ps_that_died():
     assert any(named in out for out in outs), [out[-3000:] for out in outs]
 
 
+@pytest.mark.timeout(400)
+def test_a_relaunch_against_a_ps_that_outlived_its_workers_starts_afresh():
+    """Was: workers relaunched against a ps that still held a failed step's push failed with
+    "a push for step 0 while step 3 has 1 of 2 pushes" until the ps restarted (and would have
+    read the failed run's rows). Now each run tells the ps it begins: the ps drops the earlier
+    run's tables and pushes, and the relaunch trains as on a fresh ps, to the same bits."""
+    config = TFConfig.local(workers=2, ps=1)
+    ps = start_task(config, "ps", 0, "-m", "tfstrat", "server")
+
+    def run(mode):
+        workers = [start_task(config, "worker", i, "hybrid_relaunch.py", mode) for i in range(2)]
+        try:
+            return [(w.communicate(timeout=150)[0], w.returncode) for w in workers]
+        finally:
+            for w in workers:
+                w.kill()
+
+    try:
+        failed = run("fail")
+        assert all(code != 0 for _, code in failed), [out[-2000:] for out, _ in failed]
+        assert "worker 1 exits before step 3" in failed[1][0], failed[1][0][-2000:]
+        digests = []
+        for _ in range(2):  # the relaunch, then another run: each must find a fresh ps
+            done = run("train")
+            for out, code in done:
+                assert code == 0, out[-3000:]
+            found = {re.search(r"trained: (\w+)", out).group(1) for out, _ in done}
+            assert len(found) == 1, found  # the two workers agree
+            digests.append(found.pop())
+        assert digests[0] == digests[1]
+    finally:
+        ps.kill()
+        ps_out = ps.communicate(timeout=30)[0]
+    dropped = re.findall(r"a new run of the job began; (\d+) table\(s\) and (\d+) pending", ps_out)
+    # The relaunch dropped the table and the failed step's one push; the next run, the table.
+    assert dropped == [("1", "1"), ("1", "0")], ps_out[-3000:]
+
+
 @pytest.mark.timeout(120)
 def test_a_ps_whose_table_port_is_taken_fails_at_start_naming_it():
     import socket

@@ -316,7 +316,8 @@ class Registry:
     """The tables of one ps task, by number: the methods the workers call (`wire.Server`)."""
 
     METHODS = frozenset(
-        "create drop put_meta get_meta lookup push read write slots read_slot write_slot stats "
+        "begin create drop put_meta get_meta lookup push read write slots read_slot write_slot "
+        "stats "
         "steps_open steps_mail steps_wait_mailed steps_publish steps_wait_applied "
         "steps_fit_done".split()
     )
@@ -325,6 +326,7 @@ class Registry:
         self.tables: dict[int, Table] = {}
         self.meta: dict[int, int] = {}
         self.lock = threading.Lock()
+        self.run: bytes | None = None  # the run the tables belong to (`begin`)
         self.steps = _steps.Steps()  # ParameterServer's synchronous steps (ps 0's)
         for name in ("open", "mail", "wait_mailed", "publish", "wait_applied", "fit_done"):
             setattr(self, f"steps_{name}", getattr(self.steps, name))
@@ -334,6 +336,33 @@ class Registry:
             return self.tables[int(table)]
         except KeyError:
             raise UsageError(f"tfstrat table {int(table)} does not exist on this ps") from None
+
+    def begin(self, run):
+        """A run of the job starts (every worker says so before its first table call, with the
+        id its workers agreed on): a new run finds this ps as a fresh one would be, every table,
+        its pending pushes and meta of an earlier run dropped (a relaunch against a ps that
+        survived its workers: the failed step's pushes must not block the new run's first).
+        Returns 1 if this call cleared the ps, else 0."""
+        run = bytes(np.asarray(run, np.uint8))
+        with self.lock:
+            if run == self.run:
+                return _ZERO
+            dropped = len(self.tables)
+            pending = sum(len(t.pending) for t in self.tables.values())
+            for t in self.tables.values():
+                with t.lock:  # a straggler of the old run waiting on a step is woken
+                    t.pending, t.pending_rows = {}, 0.0
+                    t.applied.notify_all()
+            first = self.run is None
+            self.tables, self.meta, self.run = {}, {}, run
+        if not first:
+            logger.info(
+                "tfstrat server: a new run of the job began; %d table(s) and %d pending push(es) "
+                "of the earlier run dropped",
+                dropped,
+                pending,
+            )
+        return np.int64(0 if first else 1)
 
     def create(self, table, rows, dim, workers, init):
         with self.lock:

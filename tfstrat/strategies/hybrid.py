@@ -17,6 +17,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 
+import numpy as np
 import tensorflow as tf
 
 from tfstrat.cluster import TFConfig
@@ -115,6 +116,7 @@ class Hybrid(CollectiveAllReduce):
             _ps_tables.install()
             wait_for_ps(tf_config, timeout, port_offset=_ports.offset())  # table servers
             self._clients = TableClients(ps, timeout, self.worker_index)
+            self._begin_run()
         logger.info(
             "tfstrat: Hybrid, %d ps task(s): %s; one line per embedding table at the first step",
             len(ps),
@@ -122,6 +124,18 @@ class Hybrid(CollectiveAllReduce):
             "every other variable mirrored"
             if ps
             else "every variable mirrored",
+        )
+
+    def _begin_run(self):
+        """Tells every ps that this run begins, with an id the workers agree on (the chief's
+        random bytes): a ps that outlived an earlier run of the job (its workers relaunched,
+        the ps not) drops that run's tables and a failed step's pushes, as a new ps starts."""
+        import os
+
+        mine = os.urandom(16)
+        run = mine if self.extended._num_workers == 1 else self._all_gather_bytes(mine)[0]
+        self._clients.call_all(
+            [(i, "begin", (np.frombuffer(run, np.uint8),)) for i in range(len(self.ps_addresses))]
         )
 
     # -- tables --------------------------------------------------------------------------
