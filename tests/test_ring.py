@@ -282,11 +282,13 @@ def test_only_the_jobs_tasks_join_the_ring(caplog, monkeypatch):
     sums, errors = _on_threads(lambda i: rings[i].all_reduce(np.ones(3, np.float32)), 2)
     assert errors == [None, None] and sums[0].tolist() == [2.0, 2.0, 2.0], (sums, errors)
     assert "this worker's ring refused a connection from 127.0.0.1" in caplog.text
-    assert stranger.recv(100)[:5] == b"TFSJ1"  # the challenge, then nothing: closed
-    try:
-        assert stranger.recv(100) == b""
+    got = b""
+    try:  # the challenge at most, then the end (a reset may discard even the challenge)
+        while chunk := stranger.recv(100):
+            got += chunk
     except ConnectionResetError:  # closed with the stranger's bytes unread
         pass
+    assert got == b"" or (got.startswith(secret.MAGIC) and len(got) == len(secret.MAGIC) + 16)
     stranger.close()
     for r in rings:
         r.close()

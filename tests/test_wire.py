@@ -131,7 +131,9 @@ def test_fuzz_the_handshake(server, data):
     challenge comes back, and the server goes on serving the job's tasks."""
     port, worker = server
     got = _exchange(port, data, handshake=False)
-    assert got[: len(secret.MAGIC)] == secret.MAGIC and len(got) == len(secret.MAGIC) + 16, got
+    # The challenge at most (the reset for the unread bytes may discard even that), no answer.
+    challenge = len(got) == len(secret.MAGIC) + 16 and got.startswith(secret.MAGIC)
+    assert got == b"" or challenge, got
     _still_serves(worker)
 
 

@@ -11,10 +11,14 @@ still needs a private network. TensorFlow's own gRPC port (the TF_CONFIG port) h
 check (TensorFlow offers none): `--private-network` or a firewall is the answer there.
 
 Where a task finds the secret, first found:
-- `TFSTRAT_SECRET`: the secret itself. `tfstrat launch` sets it for its tasks, a new one for
-  every attempt (derived from `--secret-file`'s when one is given).
-- `TFSTRAT_SECRET_FILE`: a file holding it, the same on every node (a file in a directory the
-  nodes share, readable by the job's user only; a Kubernetes Secret mounted as a file).
+- `TFSTRAT_SECRET`: the secret itself. `tfstrat launch` sets it for its tasks: a new random
+  one for every attempt on one machine, or derived from `--secret-file` across nodes.
+- `TFSTRAT_SECRET_FILE`: a file, the same on every node (a file in a directory the nodes share,
+  readable by the job's user only; a Kubernetes Secret mounted as a file). The secret is
+  derived from its content, the cluster (TF_CONFIG's) and the attempt (`TFSTRAT_RESTART`), as
+  `tfstrat launch --secret-file` derives it: jobs of other clusters and other attempts differ
+  even with one file. Two runs of one cluster from one file share it, so give each job its
+  own file (or write a new secret into it for each run).
 Without either, tasks prove the empty secret, so hand-made clusters still work, and tfstrat
 warns once that its ports are open.
 
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import logging
 import os
 import secrets
@@ -66,7 +71,15 @@ def key() -> bytes:
         return value.encode()
     path = os.environ.get(FILE_ENV)
     if path:
-        return read_file(path)
+        cluster = None
+        raw = os.environ.get("TF_CONFIG")
+        if raw:
+            try:
+                cluster = json.loads(raw).get("cluster")
+            except (ValueError, AttributeError):
+                cluster = None  # a malformed TF_CONFIG: the strategy says so, by name
+        attempt = os.environ.get("TFSTRAT_RESTART", "0")
+        return derive(read_file(path), int(attempt) if attempt.isdigit() else 0, cluster).encode()
     _warn_open()
     return b""
 
@@ -96,10 +109,11 @@ def new() -> str:
     return secrets.token_hex(32)
 
 
-def for_attempt(base: bytes, attempt: int) -> str:
-    """The secret of one attempt of a job whose secret is `base`: tasks of another attempt
-    (a straggler of a failed one) are refused."""
-    return hmac.new(base, f"attempt {attempt}".encode(), hashlib.sha256).hexdigest()
+def derive(base: bytes, attempt: int, cluster: dict | None = None) -> str:
+    """The secret of one attempt of one cluster from a job's `base` secret: tasks of another
+    attempt (a straggler of a failed one) or of another cluster are refused."""
+    text = f"attempt {attempt}; cluster {json.dumps(cluster or {}, sort_keys=True)}"
+    return hmac.new(base, text.encode(), hashlib.sha256).hexdigest()
 
 
 def _warn_open():
@@ -120,7 +134,7 @@ def _mac(secret: bytes, role: bytes, first: bytes, second: bytes) -> bytes:
     return hmac.new(secret, role + first + second, hashlib.sha256).digest()
 
 
-def _read(sock: socket.socket, n: int, deadline: float) -> bytes:
+def _read(sock: socket.socket, n: int, deadline: float, first: bool = False) -> bytes:
     buf = bytearray()
     while len(buf) < n:
         left = deadline - time.monotonic()
@@ -131,6 +145,10 @@ def _read(sock: socket.socket, n: int, deadline: float) -> bytes:
             chunk = sock.recv(n - len(buf))
         except TimeoutError:
             raise Refused("it did not finish the handshake in time") from None
+        except (ConnectionResetError, BrokenPipeError):
+            if first and not buf:  # a port check that closed as our challenge arrived
+                raise _Closed("it closed the connection without a word") from None
+            raise
         if not chunk:
             if not buf:
                 raise _Closed("it closed the connection without a word")
@@ -147,8 +165,11 @@ def accept(sock: socket.socket, secret: bytes, what: str, timeout: float = HANDS
     mine = secrets.token_bytes(_NONCE)
     try:
         sock.settimeout(max(0.1, deadline - time.monotonic()))
-        sock.sendall(MAGIC + mine)
-        if _read(sock, len(MAGIC), deadline) != MAGIC:  # a stranger is refused at once
+        try:
+            sock.sendall(MAGIC + mine)
+        except (ConnectionResetError, BrokenPipeError):  # a port check, gone already
+            raise _Closed("it closed the connection without a word") from None
+        if _read(sock, len(MAGIC), deadline, first=True) != MAGIC:  # a stranger: at once
             raise Refused("it does not speak tfstrat's handshake")
         reply = _read(sock, _NONCE + _MAC, deadline)
         theirs = reply[:_NONCE]
@@ -211,5 +232,6 @@ def _log_refusal(sock: socket.socket, what: str, why: str):
     except OSError:
         host, port = "a closed peer", ""
     if host not in _refused:  # once per address: a scanner must not flood the log
-        _refused.add(host)
+        if len(_refused) < 4096:
+            _refused.add(host)
         logger.warning("tfstrat: %s refused a connection from %s:%s: %s", what, host, port, why)

@@ -268,8 +268,9 @@ def _say_output(config: LaunchConfig, out: TextIO) -> None:
 
 
 def _job_secret(config: LaunchConfig) -> bytes | None:
-    """The job's secret: `secret_file`, `TFSTRAT_SECRET_FILE`, `TFSTRAT_SECRET`, else a random
-    one on one machine; None across nodes without one (each node would draw its own)."""
+    """The job's base secret (each attempt's is derived from it): `secret_file`, else
+    `TFSTRAT_SECRET_FILE`, else `TFSTRAT_SECRET`, else a random one on one machine; None across
+    nodes without one (each node would draw its own)."""
     path = config.secret_file or os.environ.get(_secret.FILE_ENV)
     if path:
         return _secret.read_file(path)
@@ -583,8 +584,10 @@ def _attempts(config: LaunchConfig, out: TextIO, deadline: float | None) -> int:
         )
     while True:
         start = restart + port_retry
-        secret = None if base is None else _secret.for_attempt(base, start)  # new every start
         cluster = _local_cluster(config)
+        secret = None  # a new one every start, of this cluster: others are refused
+        if base is not None:
+            secret = _secret.derive(base, start, cluster.to_dict()["cluster"])
         outcome = _Attempt(config, cluster, out, restart, start, secret).run(deadline)
         if outcome.port_taken:
             if port_retry >= config.port_retries:

@@ -268,6 +268,7 @@ class Connection:
     def __init__(self, address: str, timeout: float, task: str):
         self.address, self.timeout, self.task = address, timeout, task
         self.cap = max_frame_bytes()
+        self.key = _secret.key()  # read now: an unreadable secret file fails here, by name
         self._sock: socket.socket | None = None
 
     def what(self, method: str) -> str:
@@ -296,7 +297,7 @@ class Connection:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(self.timeout)
             try:
-                _secret.connect(sock, _secret.key(), f"{self.task}'s table server", self.timeout)
+                _secret.connect(sock, self.key, f"{self.task}'s table server", self.timeout)
             except _secret.Refused as e:
                 sock.close()
                 raise TableServerError(

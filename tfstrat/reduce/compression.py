@@ -164,6 +164,7 @@ class PowerSGDState:
 
     def exchange(self, ring, lossy, exact, gathers):
         n = ring.size
+        self.factored_reset: list[int] = []  # matrices whose sum was not finite this step
         error = self.error
         error += lossy  # M_i = G_i + e_i, in place
         starts = np.cumsum([0] + self.sizes)
@@ -203,11 +204,19 @@ class PowerSGDState:
                 at += q.size
                 approx = outs[k].reshape(m)
                 np.matmul(p_hats[i], q.T, out=approx)
-                self.q[k] = q  # the warm start of the next step
+                # The warm start of the next step; after an inf or NaN (the sum is the same on
+                # every worker, so all decide alike), a fresh start rather than NaN for good.
+                finite = bool(np.isfinite(q).all())
+                self.q[k] = q if finite else initial_q(k, m[1], self.config.rank)
+                if not finite:
+                    views[k][:] = 0.0
+                    self.factored_reset.append(k)
                 i += 1
         # e_i = M_i - approximation / n: only the factored parts leave anything behind.
         scratch = [self._scratch[a:b] for a, b in zip(starts[:-1], starts[1:])]
-        for v, o, t, f in zip(views, outs, scratch, self.factored):
+        for k, (v, o, t, f) in enumerate(zip(views, outs, scratch, self.factored)):
+            if f and k in self.factored_reset:
+                continue  # already reset: its error starts again from 0
             if f:
                 np.divide(o, n, out=t)
                 v -= t

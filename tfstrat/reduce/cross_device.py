@@ -10,12 +10,16 @@ collectives, and packed sparse rows in one ring all-gather. Otherwise dense tens
 
 from __future__ import annotations
 
+import logging
 import weakref
 
 import tensorflow as tf
 
 from tfstrat._compat.tf import cross_device_ops, nest
+from tfstrat.errors import UsageError
 from tfstrat.reduce import compression, sparse
+
+logger = logging.getLogger(__name__)
 
 
 class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
@@ -85,6 +89,13 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
         # Everything the TCP ring can carry goes in one exchange: the step waits once.
         by_ring = dense_at if dense and self._ring_carries(dense) else []
         lossy = self.compression is not None and any(compression.marked(t) for t in dense)
+        if lossy and not by_ring:
+            _warn_once(
+                "tfstrat: compression is set, but this step's gradients go uncompressed over "
+                "TensorFlow's collectives: the TCP ring carries one floating dtype of static "
+                f"shapes, and these are {sorted({t.dtype.name for t in dense})} (a shape "
+                "unknown until run time, or float16/bfloat16 variables, keep them off it)"
+            )
         if dense and not (by_ring and lossy):  # compressed: `_ring_exchange` records it
             # A tensor of unknown static size counts 0: a lower bound, never a crash.
             nbytes = sum((t.shape.num_elements() or 0) * t.dtype.size for t in dense)
@@ -141,6 +152,12 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
                     flat = tf.bitcast(tf.cast(flat, wire), tf.uint16)[None]
                     shapes.append([self._group_size, flat.shape[1]])
                 else:
+                    if exact and dense[exact[0]].dtype != tf.float32:  # extras in float64
+                        raise UsageError(
+                            f"compression={compression.describe(method)!r} takes float32 "
+                            f"gradients; this model's are {dense[exact[0]].dtype.name}. Use "
+                            "float32 variables, compression='bf16', or no compression."
+                        )
                     flat = tf.cast(flat, tf.float32)
                     shapes.append(flat.shape)
                 inputs.append(flat)
@@ -257,6 +274,15 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
                     gathered.values / self._group_size, gathered.indices, gathered.dense_shape
                 )
         return gathered
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning(message)
 
 
 class RingCalls:

@@ -55,6 +55,8 @@ _HELLO = struct.Struct("!II")  # sender rank, group size
 _THREAD_BYTES = 1 << 22
 # Sums are done in pieces of at least this many bytes as they arrive (fewer numpy calls).
 _SUM_PIECE = 1 << 18
+# Seconds a connection to the ring's listener has to prove it is the previous worker.
+_ACCEPT_HANDSHAKE = 5.0
 # The largest block of rows another worker may send for one gather (a sparse gradient's rows):
 # its size comes from the other worker's header, so it is checked before allocating.
 MAX_BLOCK_ENV = "TFSTRAT_RING_MAX_BLOCK_BYTES"
@@ -101,6 +103,7 @@ class Ring:
         names = names or [f"worker {i}" for i in range(self.size)]
         self.names = [f"{n} (ring at {a})" for n, a in zip(names, addresses)]
         self.calls = 0
+        self.max_block = max_block_bytes()  # read now: a bad value fails at start, by name
         #: Bytes this worker has sent through the ring (headers included), for benchmarks.
         self.bytes_sent = 0
         #: Of those, the bytes handed over through shared memory (not on a socket).
@@ -129,12 +132,13 @@ class Ring:
             self._prev = _accept(listener, timeout, prev, self.size, self.names[prev], key)
         except RingError:
             connector.join(timeout + 1)  # a failed connect names the missing peer: say that
+            _close(connected.get("socket"), listener)  # the next worker sees it end now
             if "error" in connected:
                 raise connected["error"] from None
             raise
         connector.join(2 * timeout + _secret.HANDSHAKE_SECONDS)
         if "socket" not in connected:
-            self._prev.close()
+            _close(self._prev, listener)
             raise connected.get("error") or RingError(
                 f"connecting to {self.names[nxt]} took over {2 * timeout} s"
             )
@@ -256,7 +260,7 @@ class Ring:
         gathered = []
         for g in gathers:
             parts.append(_bytes_of(g))
-            receive.append(_Rows(g, r, 2))
+            receive.append(_Rows(g, r, 2, self.max_block))
         self._duplex(parts, receive)
         for target in receive[1 if reduce is not None else 0 :]:
             gathered.append(target.result())
@@ -274,7 +278,7 @@ class Ring:
         summed = None if flat is None else self._results.get(flat.shape, flat.dtype)
         parts = ([] if flat is None else [_bytes_of(flat)]) + [_bytes_of(g) for g in gathers]
         targets = [] if flat is None else [_Summing(None, flat, summed)]
-        targets += [_Rows(g, self.rank, 2) for g in gathers]
+        targets += [_Rows(g, self.rank, 2, self.max_block) for g in gathers]
         descriptor = region.write(self.calls, parts)
         self.shared_bytes += sum(p.nbytes for p in parts)
         incoming = self._duplex(parts, targets, descriptor)
@@ -314,7 +318,7 @@ class Ring:
                 )
             for b, g in zip(blocks, gathers):
                 parts.append(_bytes_of(b[(r - step) % n]))
-                receive.append(_Rows(g, None, None))
+                receive.append(_Rows(g, None, None, self.max_block))
             self._duplex(parts, receive)
             for b, target in zip(blocks, receive[len(receive) - len(gathers) :]):
                 b[(r - step - 1) % n] = target.result()
@@ -672,8 +676,8 @@ class _Rows(_Into):
     """Another worker's block of rows (any count); with `rank`/`size` (2 workers), received
     into its place of the concatenation, next to this worker's own `mine` block."""
 
-    def __init__(self, mine: np.ndarray, rank: int | None, size: int | None):
-        self.mine, self.rank, self.size = mine, rank, size
+    def __init__(self, mine: np.ndarray, rank: int | None, size: int | None, cap: int):
+        self.mine, self.rank, self.size, self.cap = mine, rank, size, cap
         self.row_shape = mine.shape[1:]
         self.row_bytes = int(np.prod(self.row_shape, dtype=np.int64)) * mine.dtype.itemsize
         self.expected = f"a multiple of {self.row_bytes} bytes"
@@ -681,11 +685,12 @@ class _Rows(_Into):
 
     def accepts(self, nbytes: int) -> bool:
         ok = nbytes % self.row_bytes == 0 if self.row_bytes else nbytes == 0
-        if ok and nbytes > max_block_bytes():  # checked before anything is allocated
+        if ok and nbytes > self.cap:  # checked before anything is allocated
             raise RingError(
                 f"the other worker announced a block of {nbytes:,} bytes to gather, over the "
-                f"ring's cap of {max_block_bytes():,} ({MAX_BLOCK_ENV}): raise it for larger "
-                "sparse gradients, or look for a worker that runs another program"
+                f"ring's cap of {self.cap:,} ({MAX_BLOCK_ENV}): raise it for larger sparse "
+                "gradients or compressed (fp16/bf16) models, or look for a worker that runs "
+                "another program"
             )
         if ok:
             rows = nbytes // self.row_bytes if self.row_bytes else 0
@@ -708,6 +713,15 @@ def _bytes_of(array: np.ndarray) -> memoryview:
     """The bytes of a contiguous array as a writable-if-the-array-is view (any dtype, even
     ones the buffer protocol cannot cast, such as bfloat16)."""
     return memoryview(array.reshape(-1).view(np.uint8))
+
+
+def _close(*sockets) -> None:
+    for s in sockets:
+        if s is not None:
+            try:
+                s.close()
+            except OSError:
+                pass
 
 
 def listen(host: str, port: int = 0, task: str = "this worker") -> socket.socket:
@@ -761,7 +775,10 @@ def _accept(
             ) from e
         conn = _tune(conn, timeout)
         try:
-            _secret.accept(conn, key, "this worker's ring", deadline - time.monotonic())
+            # A short budget: the previous worker answers the challenge at once, and a
+            # stranger that says nothing must not hold the ring's start for long.
+            budget = min(_ACCEPT_HANDSHAKE, deadline - time.monotonic())
+            _secret.accept(conn, key, "this worker's ring", budget)
             break
         except _secret.Refused:
             conn.close()

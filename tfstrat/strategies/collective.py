@@ -279,7 +279,7 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
                 f"Received: compression={_compression.describe(compression)!r} with "
                 f"communication={communication!r} and {count or 1} device(s) per worker. "
                 "Compressed gradients travel on tfstrat's TCP ring: use one device per worker "
-                "and communication='auto' or 'tcp'."
+                "and communication='tcp' (or 'auto' on CPU-only workers)."
             )
         implementation = _common.communication_implementation(
             "ring" if communication == "tcp" else communication,
