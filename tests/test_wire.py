@@ -185,7 +185,8 @@ ARRAYS = st.lists(
 
 @FUZZ
 @given(
-    method=st.sampled_from(sorted(tables.Registry.METHODS - {"create"})),
+    # create and begin (a new run of the job, which drops the tables) change what is served
+    method=st.sampled_from(sorted(tables.Registry.METHODS - {"create", "begin"})),
     arrays=ARRAYS,
 )
 def test_fuzz_calls_with_wrong_arrays_keep_the_connection(server, method, arrays):

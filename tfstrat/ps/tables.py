@@ -343,7 +343,10 @@ class Registry:
         its pending pushes and meta of an earlier run dropped (a relaunch against a ps that
         survived its workers: the failed step's pushes must not block the new run's first).
         Returns 1 if this call cleared the ps, else 0."""
-        run = bytes(np.asarray(run, np.uint8))
+        run = np.asarray(run)
+        if run.dtype != np.uint8 or run.shape != (16,):
+            raise UsageError(f"a run id is 16 bytes (uint8), not {run.dtype} {run.shape}")
+        run = run.tobytes()
         with self.lock:
             if run == self.run:
                 return _ZERO
