@@ -147,20 +147,10 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
                 shapes.append(flat.shape)
             if lossy:
                 flat = tf.concat([tf.reshape(dense[j], [-1]) for j in lossy], 0)
-                if method in compression.ROUNDING:  # a row of 16-bit words to all-gather
-                    wire = tf.as_dtype(compression.ROUNDING[method])
-                    flat = tf.bitcast(tf.cast(flat, wire), tf.uint16)[None]
-                    shapes.append([self._group_size, flat.shape[1]])
-                else:
-                    if exact and dense[exact[0]].dtype != tf.float32:  # extras in float64
-                        raise UsageError(
-                            f"compression={compression.describe(method)!r} takes float32 "
-                            f"gradients; this model's are {dense[exact[0]].dtype.name}. Use "
-                            "float32 variables, compression='bf16', or no compression."
-                        )
-                    flat = tf.cast(flat, tf.float32)
-                    shapes.append(flat.shape)
-                inputs.append(flat)
+                extras = dense[exact[0]].dtype if exact else tf.float32
+                encoded, shape = self._encode(flat, extras)
+                inputs.append(encoded)
+                shapes.append(shape)
             self._record_compressed(
                 replica_id, [dense[j] for j in exact], [dense[j] for j in lossy]
             )
@@ -175,17 +165,20 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
                     )
                 inputs.append(packed)
                 shapes.append([None, packed.shape[1]])
-            k = int(bool(exact)) + int(bool(lossy))
+            # Slots of `inputs` (and of the outputs): [exact vector], [lossy part], blocks...
+            at_lossy = 1 if exact else 0
+            at_blocks = at_lossy + (1 if lossy else 0)
             state = self._powersgd([dense[j].shape for j in lossy]) if lossy else None
-            rounding = bool(lossy) and state is None
 
             def exchange(*arrays):
                 mine = arrays[0] if exact else None
-                blocks = list(arrays[k:])
+                blocks = list(arrays[at_blocks:])
                 if state is not None:  # PowerSGD: its own two exchanges
-                    approx, summed, gathered = state.exchange(ring, arrays[k - 1], mine, blocks)
+                    approx, summed, gathered = state.exchange(ring, arrays[at_lossy], mine, blocks)
                     return ([summed] if exact else []) + [approx] + gathered
-                summed, gathered = ring.exchange(mine, ([arrays[k - 1]] if lossy else []) + blocks)
+                # Rounded 16-bit gradients are all-gathered as one more block.
+                rounded = [arrays[at_lossy]] if lossy else []
+                summed, gathered = ring.exchange(mine, rounded + blocks)
                 return ([summed] if exact else []) + gathered
 
             outs = self._ring_call(exchange, inputs, shapes, "tcp_exchange")
@@ -199,12 +192,7 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
                 ):
                     reduced[j] = tf.reshape(t, dense[j].shape)
             if lossy:
-                summed = outs[k - 1]
-                if rounding:  # every worker's rounded gradients, summed in rank order
-                    words = tf.unstack(tf.bitcast(summed, wire), self._group_size)
-                    summed = tf.cast(words[0], tf.float32)
-                    for w in words[1:]:
-                        summed += tf.cast(w, tf.float32)
+                summed = self._decode(outs[at_lossy])
                 if self.trace is not None:
                     summed = self._traced(dense, lossy, summed)
                 if reduce_op == tf.distribute.ReduceOp.MEAN:
@@ -214,12 +202,43 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
                 ):
                     reduced[j] = tf.cast(tf.reshape(t, dense[j].shape), dense[j].dtype)
             gathered = {}
-            for (i, (v, _)), everyone in zip(slices.items(), outs[k:]):
+            for (i, (v, _)), everyone in zip(slices.items(), outs[at_blocks:]):
                 g = sparse.unpack_rows(everyone, v)
                 if reduce_op == tf.distribute.ReduceOp.MEAN:
                     g = tf.IndexedSlices(g.values / self._group_size, g.indices, g.dense_shape)
                 gathered[i] = g
         return reduced, gathered
+
+    def _encode(self, flat, extras_dtype):
+        """The step's lossy gradients (one flat vector) as they enter the ring call: a row of
+        16-bit words to all-gather (fp16/bf16), or float32 for PowerSGD. Returns (tensor, its
+        static shape in the call's output)."""
+        method = self.compression
+        if method in compression.ROUNDING:
+            wire = tf.as_dtype(compression.ROUNDING[method])
+            words = tf.bitcast(tf.cast(flat, wire), tf.uint16)[None]
+            return words, [self._group_size, words.shape[1]]
+        if extras_dtype != tf.float32:  # the extras ride with PowerSGD's float32 factors
+            raise UsageError(
+                f"compression={compression.describe(method)!r} takes float32 gradients; this "
+                f"model's are {extras_dtype.name}. Use float32 variables, compression='bf16', "
+                "or no compression."
+            )
+        flat = tf.cast(flat, tf.float32)
+        return flat, flat.shape
+
+    def _decode(self, out):
+        """The lossy gradients' sum from the ring call's output: for fp16/bf16, every worker's
+        rounded vector summed in float32 in rank order (the same bits on every worker)."""
+        method = self.compression
+        if method not in compression.ROUNDING:
+            return out  # PowerSGD's approximation of the sum
+        wire = tf.as_dtype(compression.ROUNDING[method])
+        rows = tf.unstack(tf.bitcast(out, wire), self._group_size)
+        summed = tf.cast(rows[0], tf.float32)
+        for row in rows[1:]:
+            summed += tf.cast(row, tf.float32)
+        return summed
 
     def _traced(self, dense, lossy, summed):
         """`summed`, after recording it and the gradients it came from in `trace`."""
