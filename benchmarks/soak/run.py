@@ -20,26 +20,19 @@ import time
 import uuid
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "tests", "helpers"))
+import procs  # noqa: E402  (the tests' /proc scanner)
+
+TASKS = ("ps:0", "worker:0", "worker:1")  # what `tfstrat launch --workers 2 --ps 1` starts
 
 
 def _tasks(marker: str) -> dict[str, int]:
     """{task name: pid} of the run's tasks (by the environment `tfstrat launch` gives them)."""
     found = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/environ", "rb") as f:
-                environ = f.read().split(b"\0")
-        except OSError:
-            continue
-        if f"TFSTRAT_SOAK={marker}".encode() not in environ:
-            continue
-        task = next(
-            (e[len(b"TFSTRAT_TASK=") :] for e in environ if e.startswith(b"TFSTRAT_TASK=")), None
-        )
-        if task is not None:
-            found[task.decode()] = int(name)
+    for task in TASKS:
+        pids = procs.find(env=[f"TFSTRAT_SOAK={marker}", f"TFSTRAT_TASK={task}"])
+        if pids:
+            found[task] = pids[0]
     return found
 
 
