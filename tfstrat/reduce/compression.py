@@ -164,62 +164,59 @@ class PowerSGDState:
 
     def exchange(self, ring, lossy, exact, gathers):
         n = ring.size
-        self.factored_reset: list[int] = []  # matrices whose sum was not finite this step
         error = self.error
         error += lossy  # M_i = G_i + e_i, in place
-        starts = np.cumsum([0] + self.sizes)
-        views = [error[a:b] for a, b in zip(starts[:-1], starts[1:])]
-        mats = [v.reshape(m) if m else None for v, m in zip(views, self.matrices)]
+        views = _split(error, self.sizes)
+        fac = [k for k, m in enumerate(self.matrices) if m]  # the factored ones
+        plain = [k for k, m in enumerate(self.matrices) if not m]
+        mats = {k: views[k].reshape(self.matrices[k]) for k in fac}
         # First exchange: every P, the uncompressed gradients, and `exact`.
-        ps = [mat @ q for mat, q in zip(mats, self.q) if mat is not None]
-        plain = [v for v, f in zip(views, self.factored) if not f]
-        outgoing = np.concatenate(
-            [p.reshape(-1) for p in ps] + plain + ([] if exact is None else [exact.reshape(-1)])
-        ).astype(np.float32, copy=False)
-        summed, gathered = ring.exchange(outgoing, gathers)
-        summed = np.array(summed, copy=True)  # the ring's buffer is reused by the next call
-        at = 0
-        p_hats = []
-        for p in ps:
-            part = summed[at : at + p.size].reshape(p.shape)
-            at += p.size
-            p_hats.append(np.linalg.qr(part)[0].astype(np.float32, copy=False))
+        ps = [mats[k] @ self.q[k] for k in fac]
+        extra = [] if exact is None else [exact.reshape(-1)]
+        outgoing = np.concatenate([p.reshape(-1) for p in ps] + [views[k] for k in plain] + extra)
+        summed, gathered = ring.exchange(outgoing.astype(np.float32, copy=False), gathers)
+        parts = _split(
+            np.array(summed, copy=True),  # the ring's buffer is reused by the next call
+            [p.size for p in ps] + [self.sizes[k] for k in plain] + [e.size for e in extra],
+        )
+        p_hats = [
+            np.linalg.qr(part.reshape(p.shape))[0].astype(np.float32, copy=False)
+            for part, p in zip(parts, ps)
+        ]
         out = self._results.get(lossy.shape, np.float32)
-        outs = [out[a:b] for a, b in zip(starts[:-1], starts[1:])]
-        for o, f in zip(outs, self.factored):
-            if not f:
-                o[:] = summed[at : at + o.size]
-                at += o.size
-        exact_sum = None if exact is None else summed[at : at + exact.size].reshape(exact.shape)
-        # Second exchange: every Q = M_i^T P^, summed.
-        factored = [mat for mat in mats if mat is not None]
-        qs = [mat.T @ p_hat for mat, p_hat in zip(factored, p_hats)]
-        if qs:
+        outs = _split(out, self.sizes)
+        for k, part in zip(plain, parts[len(ps) :]):
+            outs[k][:] = part
+        exact_sum = None if exact is None else parts[-1].reshape(exact.shape)
+        # Second exchange: every Q = M_i^T P^, summed; the approximation is P^ Q^T.
+        reset = set()  # matrices whose sum was not finite: their state starts afresh
+        if fac:
+            qs = [mats[k].T @ p_hat for k, p_hat in zip(fac, p_hats)]
             q_sum, _ = ring.exchange(np.concatenate([q.reshape(-1) for q in qs]), [])
-            at, i = 0, 0
-            for k, m in enumerate(self.matrices):
-                if m is None:
-                    continue
-                q = q_sum[at : at + qs[i].size].reshape(qs[i].shape).copy()
-                at += q.size
-                approx = outs[k].reshape(m)
-                np.matmul(p_hats[i], q.T, out=approx)
+            for k, p_hat, part in zip(fac, p_hats, _split(q_sum, [q.size for q in qs])):
+                q = part.reshape(-1, p_hat.shape[1]).copy()  # m x r
+                np.matmul(p_hat, q.T, out=outs[k].reshape(self.matrices[k]))
                 # The warm start of the next step; after an inf or NaN (the sum is the same on
                 # every worker, so all decide alike), a fresh start rather than NaN for good.
-                finite = bool(np.isfinite(q).all())
-                self.q[k] = q if finite else initial_q(k, m[1], self.config.rank)
-                if not finite:
-                    views[k][:] = 0.0
-                    self.factored_reset.append(k)
-                i += 1
+                if np.isfinite(q).all():
+                    self.q[k] = q
+                else:
+                    self.q[k] = initial_q(k, self.matrices[k][1], self.config.rank)
+                    reset.add(k)
         # e_i = M_i - approximation / n: only the factored parts leave anything behind.
-        scratch = [self._scratch[a:b] for a, b in zip(starts[:-1], starts[1:])]
-        for k, (v, o, t, f) in enumerate(zip(views, outs, scratch, self.factored)):
-            if f and k in self.factored_reset:
-                continue  # already reset: its error starts again from 0
-            if f:
-                np.divide(o, n, out=t)
-                v -= t
+        scratch = _split(self._scratch, self.sizes)
+        for k in fac:
+            if k in reset:
+                views[k][:] = 0.0
             else:
-                v[:] = 0.0
+                np.divide(outs[k], n, out=scratch[k])
+                views[k] -= scratch[k]
+        for k in plain:
+            views[k][:] = 0.0
         return out, exact_sum, gathered
+
+
+def _split(vector: np.ndarray, sizes) -> list[np.ndarray]:
+    """Consecutive views of `vector` of these sizes."""
+    starts = np.cumsum([0, *sizes])
+    return [vector[a:b] for a, b in zip(starts[:-1], starts[1:])]
