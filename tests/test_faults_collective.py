@@ -60,6 +60,33 @@ def test_a_worker_whose_ring_port_is_taken_listens_on_another_and_says_so():
     assert said in outs[1] and said not in outs[0], outs[1][-3000:]
 
 
+@pytest.mark.timeout(TIMEOUT + START_UP + 60)
+@pytest.mark.parametrize("case", ["size", "address"])
+def test_workers_given_different_clusters_fail_naming_both(case):
+    """Both tasks start (TensorFlow's coordination service knows them by name); without the
+    agreement they failed in their first collective with TensorFlow's "Device ... is joining
+    a group with size 3, but that group has size 2" (size) or in a connect (address)."""
+    a, b, c = TFConfig.local(workers=3).addresses("worker")
+    chief, other = {"size": ([a, b], [a, b, c]), "address": ([a, b], [a, c])}[case]
+    views = [TFConfig.from_dict({"cluster": {"worker": w}}) for w in (chief, other)]
+    started = time.monotonic()
+    procs = [start_task(views[i], "worker", i, "faults_startup.py", str(TIMEOUT)) for i in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=TIMEOUT + START_UP + 30)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    took = time.monotonic() - started
+    said = (
+        f"worker:1 has worker {other} in its TF_CONFIG cluster; worker:0 (the chief) has {chief}",
+        f"worker:0 (the chief) has worker {chief} in its TF_CONFIG cluster; worker:1 has {other}",
+    )
+    for p, out, line in zip(procs, outs, said):
+        assert p.returncode == 1 and "the cluster came up" not in out, out[-3000:]
+        assert f"AgreementError: tfstrat: {line}" in out, out[-3000:]
+    assert took < START_UP + TIMEOUT, took
+
+
 def _results(out_dir, case):
     return [json.loads((out_dir / f"{case}_{i}.json").read_text()) for i in range(2)]
 

@@ -317,6 +317,8 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
                     f"{type(self).__name__}(...)` (or `tfstrat.auto()`) at the top of the "
                     "script, then the model inside `with strategy.scope():`."
                 ) from e
+            if not reused and _workers(tf_config) > 1:
+                _agree_on_cluster(tf_config, timeout or DEFAULT_TIMEOUT)
             if tcp:
                 t = timeout or DEFAULT_TIMEOUT
                 ring_ = _reuse.ring(lambda: self._connect_ring(t), t)
@@ -527,6 +529,40 @@ def _env_config() -> TFConfig | None:
             "`tfstrat launch`, which sets it for every task)."
         )
     return TFConfig.from_env()
+
+
+def _agree_on_cluster(tf_config: TFConfig, timeout: float) -> None:
+    """Before the first collective, through TensorFlow's coordination service (every chief
+    and worker joined it at start-up): each task publishes its TF_CONFIG cluster; the chief
+    (rank 0) compares every task's with its own, each other task the chief's with its own.
+
+    Without it, tasks given clusters of different sizes start (the coordination service
+    knows tasks by name) and fail in their first collective with TensorFlow's "Device ...
+    is joining a group with size 3, but that group has size 2"; different addresses for a
+    task fail later, in a connect.
+    """
+    tasks = [
+        f"{job}:{i}" for job in ("chief", "worker") for i in range(len(tf_config.addresses(job)))
+    ]
+    me, chief = tf_config.task_name, tasks[0]
+    mine = _agreement.describe(tf_config)
+    ctx = context.context()
+    ctx.set_config_key_value(f"tfstrat/cluster/{me}", json.dumps(mine))
+    for other in tasks[1:] if me == chief else [chief]:
+        try:
+            theirs = json.loads(
+                ctx.get_config_key_value(f"tfstrat/cluster/{other}", int(timeout * 1000))
+            )
+        except tf.errors.OpError as e:
+            raise AgreementError(
+                f"tfstrat: {me}: {other} did not publish its TF_CONFIG cluster within "
+                f"{timeout:g} s after start-up ({type(e).__name__}: {e.message.splitlines()[0]}). "
+                "Run the same program on every task; raise `timeout=` if it starts slowly."
+            ) from e
+        named = lambda t: f"{t} (the chief)" if t == chief else t  # noqa: E731
+        diff = _agreement.first_difference(theirs, mine, named(other), named(me))
+        if diff:
+            raise AgreementError(f"tfstrat: {diff}")
 
 
 def _task_name_of(tf_config: TFConfig | None) -> str:
