@@ -244,42 +244,65 @@ def test_hybrid_workers_name_a_ps_that_died():
     assert any(named in out for out in outs), [out[-3000:] for out in outs]
 
 
+def _run_against(config, kind, mode):
+    """Both workers of one run; under `ps fail`, worker 1 is killed 3 s after the chief exits
+    (it has mailed step 3 by then and waits for the chief)."""
+    args = ("relaunch_run.py", kind, mode)
+    workers = [start_task(config, "worker", i, *args) for i in range(2)]
+    try:
+        if kind == "ps" and mode == "fail":
+            first = workers[0].communicate(timeout=150)[0], workers[0].returncode
+            time.sleep(3)
+            workers[1].kill()
+            return [first, (workers[1].communicate(timeout=30)[0], workers[1].returncode)]
+        return [(w.communicate(timeout=150)[0], w.returncode) for w in workers]
+    finally:
+        for w in workers:
+            w.kill()
+
+
 @pytest.mark.timeout(400)
-def test_a_relaunch_against_a_ps_that_outlived_its_workers_starts_afresh():
-    """Was: workers relaunched against a ps that still held a failed step's push failed with
-    "a push for step 0 while step 3 has 1 of 2 pushes" until the ps restarted (and would have
-    read the failed run's rows). Now each run tells the ps it begins: the ps drops the earlier
-    run's tables and pushes, and the relaunch trains as on a fresh ps, to the same bits."""
+@pytest.mark.parametrize("kind", ["hybrid", "ps"])
+def test_a_relaunch_against_a_ps_that_outlived_its_workers_starts_afresh(kind):
+    """Hybrid was: workers relaunched against a ps that still held a failed step's push failed
+    with "a push for step 0 while step 3 has 1 of 2 pushes" until the ps restarted (and would
+    have read the failed run's rows). ParameterServer was silently wrong: the relaunched chief
+    counted worker 1's mail of the failed step as the new worker 1's, applied that stale
+    gradient, and dropped the new worker's. Now each run begins on the ps (Hybrid: an id the
+    workers agree on; ParameterServer: a rendezvous on ps 0), which drops the earlier run's
+    tables, pushes and step state: the relaunch trains as on a fresh ps, to the same bits."""
     config = TFConfig.local(workers=2, ps=1)
     ps = start_task(config, "ps", 0, "-m", "tfstrat", "server")
-
-    def run(mode):
-        workers = [start_task(config, "worker", i, "hybrid_relaunch.py", mode) for i in range(2)]
-        try:
-            return [(w.communicate(timeout=150)[0], w.returncode) for w in workers]
-        finally:
-            for w in workers:
-                w.kill()
-
     try:
-        failed = run("fail")
+        failed = _run_against(config, kind, "fail")
         assert all(code != 0 for _, code in failed), [out[-2000:] for out, _ in failed]
-        assert "worker 1 exits before step 3" in failed[1][0], failed[1][0][-2000:]
+        dies = 1 if kind == "hybrid" else 0
+        assert f"worker {dies} exits before step 3" in failed[dies][0], failed[dies][0][-2000:]
         digests = []
         for _ in range(2):  # the relaunch, then another run: each must find a fresh ps
-            done = run("train")
+            done = _run_against(config, kind, "train")
             for out, code in done:
                 assert code == 0, out[-3000:]
-            found = {re.search(r"trained: (\w+)", out).group(1) for out, _ in done}
+            found = {re.search(r"trained: (\w+), dropped 0", out).group(1) for out, _ in done}
             assert len(found) == 1, found  # the two workers agree
             digests.append(found.pop())
         assert digests[0] == digests[1]
     finally:
         ps.kill()
         ps_out = ps.communicate(timeout=30)[0]
-    dropped = re.findall(r"a new run of the job began; (\d+) table\(s\) and (\d+) pending", ps_out)
-    # The relaunch dropped the table and the failed step's one push; the next run, the table.
-    assert dropped == [("1", "1"), ("1", "0")], ps_out[-3000:]
+    if kind == "hybrid":
+        said = r"a new run of the job began; (\d+) table\(s\) and (\d+) pending"
+        # The relaunch dropped the table and the failed step's one push; the next run, the
+        # table.
+        assert re.findall(said, ps_out) == [("1", "1"), ("1", "0")], ps_out[-3000:]
+    else:
+        said = (
+            r"group 0 began; the earlier run's step state dropped \(global step (\d+), the step "
+            r"each worker last mailed: (\[.*?\])"
+        )
+        # The failed run's state: step 3 applied by nobody, worker 1's mail of it; then the
+        # relaunch's (6 steps, both mailed the last).
+        assert re.findall(said, ps_out) == [("3", "[2, 3]"), ("6", "[5, 5]")], ps_out[-3000:]
 
 
 @pytest.mark.timeout(120)

@@ -23,22 +23,41 @@ in a loop, and no step graph holds a loop across devices.
                                           worker is in; left out: it mailed `step` and was not
                                           taken; the step's stop, as the chief got it
     fit_done(group, worker)            -> 0 (the others stop waiting for it)
+    begin_run(group, run, workers, ms) -> [ready, joined mask...]: the chief, as its strategy
+                                          starts: a new `run` (16 random bytes) drops the
+                                          group's step state; ready once every other
+                                          worker joined after that
+    join_run(group, worker, nonce, ms) -> [ready, run...]: another worker, as its strategy
+                                          starts; ready once the chief's run counted this
+                                          call's `nonce`, with that run's id
 
 A wait answers after at most `WAIT_MS` even when not ready, so the worker checks its own
 deadline between calls (`Client` raises, naming the step and the workers). A group is one
 ParameterServer strategy of the training processes (a second one in the same process gets
-its own); a ps keeps its groups while it runs, so a restarted chief continues at the global
-step the ps holds, as it finds its variables there.
+its own).
+
+Runs. A ps can outlive its workers (started by hand, or relaunched workers against a ps that
+stayed up): its variables stay, as TF1's did, and a relaunched chief continues from them (or
+from its backup), but the step state of the failed run (who mailed what, fits finished) must
+not: a stale mail would count as a new worker's, and a stale fit count would let the chief
+step without a worker. So every run starts with a rendezvous on ps 0: the chief's
+`begin_run` with a new id drops the group's state and waits for every other worker's
+`join_run` made after that; a worker that joined earlier (before the new chief began) joins
+again on its next call. The run's id, handed to every worker, keys what the workers publish
+on ps 0 (`tfstrat.ps.variables.publish`), so nobody reads an earlier run's description.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
 import numpy as np
 
 from tfstrat.errors import UsageError
+
+logger = logging.getLogger(__name__)
 
 WAIT_MS = 1000  # the longest one wait blocks on the ps before the worker checks its deadline
 
@@ -55,12 +74,60 @@ class _Group:
         self.stops: dict[int, tuple[float, float]] = {}  # the last steps' agreed stops
 
 
+class _Run:
+    def __init__(self):
+        self.run = b""  # the chief's current run, or b"" before its first
+        self.joined: dict[int, bytes] = {}  # worker -> the nonce of its join, since `run` began
+        self.members: dict[int, bytes] | None = None  # the joins the chief's run counted
+
+
 class Steps:
     """Every group's state, behind one lock and condition (`Registry` serves the methods)."""
 
+    METHODS = ("open", "mail", "wait_mailed", "publish", "wait_applied", "fit_done", "begin_run")
+    METHODS += ("join_run",)
+
     def __init__(self):
         self.groups: dict[int, _Group] = {}
+        self.runs: dict[int, _Run] = {}
         self.changed = threading.Condition()
+
+    def begin_run(self, group, run, workers, ms):
+        run, workers = _id(run), int(workers)
+        with self.changed:
+            r = self.runs.setdefault(int(group), _Run())
+            if r.run != run:  # the chief's first call of this run
+                old = self.groups.pop(int(group), None)  # `open` starts it afresh
+                if old is not None:
+                    logger.info(
+                        "tfstrat server: a new run of ParameterServer group %d began; the "
+                        "earlier run's step state dropped (global step %d, the step each "
+                        "worker last mailed: %s, fits finished: %s)",
+                        int(group),
+                        old.step,
+                        old.mailed,
+                        old.fits,
+                    )
+                r.run, r.joined, r.members = run, {}, None
+                self.changed.notify_all()
+            others = range(1, workers)
+            joined = lambda: all(w in r.joined for w in others)  # noqa: E731
+            ready = self.changed.wait_for(joined, _seconds(ms))
+            if ready and r.members is None:
+                r.members = dict(r.joined)
+                self.changed.notify_all()
+            return np.array([ready, *(w in r.joined for w in others)], np.int64)
+
+    def join_run(self, group, worker, nonce, ms):
+        w, nonce = int(worker), _id(nonce)
+        with self.changed:
+            r = self.runs.setdefault(int(group), _Run())
+            counted = lambda: r.members is not None and r.members.get(w) == nonce  # noqa: E731
+            if not counted() and r.joined.get(w) != nonce:
+                r.joined[w] = nonce
+                self.changed.notify_all()
+            ready = self.changed.wait_for(counted, _seconds(ms))
+            return np.array([ready, *(r.run if ready else bytes(16))], np.int64)
 
     def _group(self, group) -> _Group:
         try:
@@ -149,6 +216,13 @@ class Steps:
             return np.int64(0)
 
 
+def _id(value) -> bytes:
+    value = np.asarray(value)
+    if value.dtype != np.uint8 or value.shape != (16,):
+        raise UsageError(f"a run id is 16 bytes (uint8), not {value.dtype} {value.shape}")
+    return value.tobytes()
+
+
 def _seconds(ms) -> float:
     return min(max(int(ms), 0), WAIT_MS) / 1000
 
@@ -221,6 +295,31 @@ class Client:
         """Eager, at the end of each of this worker's fits."""
         self.call("fit_done", self.worker)
 
+    def start_run(self, workers: int, names: list[str]) -> bytes:
+        """Eager, as the strategy starts: the run's id (the chief's new random bytes), once
+        the chief and every other worker met on ps 0; raises after the timeout naming who
+        did not come."""
+        import os
+
+        mine = np.frombuffer(os.urandom(16), np.uint8)
+        if self.worker == 0:
+            out = self._until(lambda ms: self.call("begin_run", mine, workers, ms), None, 0)
+            if out[0]:
+                return mine.tobytes()
+            missing = [names[w] for w, joined in enumerate(out[1:], 1) if not joined]
+            raise TimeoutError(
+                f"tfstrat ParameterServer: {names[0]} waited {self.timeout:g} s on ps:0 for "
+                f"{', '.join(missing)} to start (a run begins when every worker has). Start "
+                "every worker of TF_CONFIG's cluster; see their logs."
+            )
+        out = self._until(lambda ms: self.call("join_run", self.worker, mine, ms), None, 0)
+        if out[0]:
+            return out[1:].astype(np.uint8).tobytes()
+        raise TimeoutError(
+            f"tfstrat ParameterServer: {names[self.worker]} waited {self.timeout:g} s on ps:0 "
+            f"for {names[0]} (the chief) to start the run. Start it; see its log."
+        )
+
     def _until(self, call, why, step, skip: int = 2):
         """`call(ms)` until its answer's first number says ready; after the timeout raises
         `why(step, the answer's numbers from `skip` on)`."""
@@ -233,6 +332,8 @@ class Client:
             if out[0]:
                 return out
             if time.monotonic() > deadline:
+                if why is None:  # the caller names what it waited for
+                    return out
                 raise TimeoutError(why(int(step), out[skip:].astype(np.int64).tolist()))
 
 

@@ -317,10 +317,8 @@ class Registry:
 
     METHODS = frozenset(
         "begin create drop put_meta get_meta lookup push read write slots read_slot write_slot "
-        "stats "
-        "steps_open steps_mail steps_wait_mailed steps_publish steps_wait_applied "
-        "steps_fit_done".split()
-    )
+        "stats".split()
+    ) | {f"steps_{name}" for name in _steps.Steps.METHODS}
 
     def __init__(self):
         self.tables: dict[int, Table] = {}
@@ -328,7 +326,7 @@ class Registry:
         self.lock = threading.Lock()
         self.run: bytes | None = None  # the run the tables belong to (`begin`)
         self.steps = _steps.Steps()  # ParameterServer's synchronous steps (ps 0's)
-        for name in ("open", "mail", "wait_mailed", "publish", "wait_applied", "fit_done"):
+        for name in _steps.Steps.METHODS:
             setattr(self, f"steps_{name}", getattr(self.steps, name))
 
     def get(self, table) -> Table:

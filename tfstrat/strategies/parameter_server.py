@@ -236,6 +236,17 @@ class ParameterServer(distribute_lib.Strategy):
             partitions=partitions,
             partition_bytes=partition_bytes,
         )
+        client = steps.Client(
+            rpc_address(tf_config.addresses("ps")[0]),
+            timeout,
+            device,
+            group=self.extended.group,
+            worker=worker,
+        )
+        # A new run on ps 0 (it may have outlived an earlier run's workers): the earlier
+        # run's step state is dropped, and what this run publishes there is keyed by its id.
+        names = [tf_config.trainer_name(w) for w in range(workers)]
+        self._run = client.start_run(workers, names).hex()
         # Before any variable: tasks with other clusters would place variables elsewhere and
         # wait for each other's variables until their timeouts.
         self._agree("cluster", _agreement.describe(tf_config, (), self._options), "cluster")
@@ -248,13 +259,7 @@ class ParameterServer(distribute_lib.Strategy):
                 num_workers=workers,
                 worker=worker,
                 replicas_to_aggregate=required,
-                steps=steps.Client(
-                    rpc_address(tf_config.addresses("ps")[0]),
-                    timeout,
-                    device,
-                    group=self.extended.group,
-                    worker=worker,
-                ),
+                steps=client,
             )
         # SIGTERM and a callback's stop_training: under sync, a request rides the worker's
         # mail and every worker stops after the step whose mails carried it; under async, each
@@ -297,12 +302,12 @@ class ParameterServer(distribute_lib.Strategy):
     # -- the savers' coordination (`tfstrat.keras._saving.Coordinated`), through ps 0 -------
 
     def _tfstrat_publish(self, key: str, outcome: dict) -> None:
-        psvars.publish(key, 0, outcome, self)
+        psvars.publish(f"{self._run}/{key}", 0, outcome, self)
 
     def _tfstrat_read_chief(self, key: str, names: list[str]) -> dict:
         where = f"ps:0 at {self.tf_config.addresses('ps')[0]}"
         for _, theirs in psvars.read_published(
-            key, [0], self.timeout, lambda w: names[w], where, "save outcome", self
+            f"{self._run}/{key}", [0], self.timeout, lambda w: names[w], where, "save outcome", self
         ):
             return theirs
         raise AssertionError("unreachable: read_published yields or raises")
@@ -383,12 +388,12 @@ class ParameterServer(distribute_lib.Strategy):
         ext, n = self.extended, self.num_workers
         names = [ext.tf_config.trainer_name(w) for w in range(n)]
         mine = {"description": desc, "problems": list(ext.problems)}
-        psvars.publish(f"agree/{key}", ext.worker, mine, self)
+        psvars.publish(f"{self._run}/agree/{key}", ext.worker, mine, self)
         seen = {ext.worker: mine}
         others = [w for w in range(n) if w != ext.worker]
         where = f"ps:0 at {ext.tf_config.addresses('ps')[0]}"
         for w, theirs in psvars.read_published(
-            f"agree/{key}", others, ext.timeout, lambda w: names[w], where, what, self
+            f"{self._run}/agree/{key}", others, ext.timeout, lambda w: names[w], where, what, self
         ):
             seen[w] = theirs
             if 0 not in seen:
