@@ -12,6 +12,7 @@ model code is plain Keras; tfstrat's lines are the strategy and its Embedding la
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import numpy as np
@@ -57,9 +58,18 @@ def main():
             loss=keras.losses.BinaryCrossentropy(from_logits=True),
             metrics=[keras.metrics.BinaryAccuracy(threshold=0.0)],
         )
+    # Under `tfstrat launch --backup-dir DIR` (TFSTRAT_BACKUP_DIR): a restart resumes from DIR.
+    backup = (
+        [tfstrat.keras.callbacks.BackupAndRestore()] if os.environ.get("TFSTRAT_BACKUP_DIR") else []
+    )
     start = time.time()
     model.fit(
-        (u[:split], i[:split]), y[:split], batch_size=args.batch_size, epochs=args.epochs, verbose=2
+        (u[:split], i[:split]),
+        y[:split],
+        batch_size=args.batch_size,
+        epochs=args.epochs,
+        verbose=2,
+        callbacks=backup,
     )
     seconds = time.time() - start
     _, accuracy = model.evaluate((u[split:], i[split:]), y[split:], batch_size=1024, verbose=0)

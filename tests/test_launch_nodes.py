@@ -134,7 +134,18 @@ def test_slurm_gives_the_step_nodes_and_this_nodes_rank():
             {},
             "--workers/--ps/--chief with --nodes",
         ),
-        (["--nodes", "a,b", "--node-rank", "0", "--restarts", "1"], {}, "restarts=1 with nodes"),
+        (
+            ["--nodes", "a,b", "--node-rank", "0", "--restarts", "1"],
+            {},
+            "restarts=1 with nodes and no backup_dir",
+        ),
+        (
+            ["--nodes", "a,b", "--node-rank", "0", "--restarts", "1", "--backup-dir", "/b"]
+            + ["--min-nodes", "3"],
+            {},
+            "min_nodes=3 for 2 nodes. Use 1..2.",
+        ),
+        (["--workers", "2", "--min-nodes", "2"], {}, "min_nodes=2 without nodes"),
         (
             ["--nodes", "a,b", "--node-rank", "0", "--private-network"],
             {},
@@ -167,7 +178,8 @@ def test_launch_help_says_what_restarts_and_port_retries_do_with_nodes(capsys):
     with pytest.raises(SystemExit):
         cli.main(["launch", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "no port retries, and no --restarts (restart the whole job instead)" in text
+    assert "Ports are fixed: no port retries. With --restarts K and --backup-dir DIR" in text
+    assert "(each listens on its node's port P - 1)" in text
     assert "none with --nodes, whose ports are fixed" in text
     assert "srun --ntasks-per-node=1 tfstrat launch --workers-per-node 2" in text
 
@@ -313,6 +325,45 @@ def test_recipes_use_the_ports_and_names_the_code_uses(monkeypatch):
     config = TFConfig.from_json(ray_train.declared_ports(json.dumps(ray), 2222))
     assert config.addresses("worker") == ("10.0.0.5:2222", "10.0.0.6:2222", "10.0.0.5:2224")
     assert "port + 1 (`TFSTRAT_PORT_OFFSET`)" in " ".join(_read("ray_train.py").split())
+
+
+def test_the_elastic_slurm_recipe_parses_to_a_restarting_multi_node_launch(monkeypatch):
+    """slurm_elastic.sbatch's `tfstrat launch` line, read by tfstrat's own parser under the
+    variables srun sets on node 1: a multi-node launch with restarts, a shared backup
+    directory, and SLURM kept from killing the job or the step on a node failure."""
+    import shlex
+
+    from tfstrat.commands import launch as launch_command
+    from tfstrat.launcher import api
+
+    sbatch = _read("slurm_elastic.sbatch")
+    for flag in ("#SBATCH --no-kill", "#SBATCH --requeue", "srun --ntasks-per-node=1 --no-kill"):
+        assert flag in sbatch, flag
+    assert "--kill-on-bad-exit=0" in sbatch
+    command = " ".join(sbatch.rsplit("\nsrun ", 1)[1].replace("\\\n", " ").split())
+    words = shlex.split(command.replace('"', ""))
+    argv = words[words.index("tfstrat") + 1 :]
+    slurm = {"SLURM_JOB_NODELIST": "node[01-02]", "SLURM_STEP_NODELIST": "node[01-02]"}
+    slurm.update(SLURM_STEP_NUM_NODES="2", SLURM_NODEID="1")
+    for key, value in slurm.items():
+        monkeypatch.setenv(key, value)
+    made = {}
+
+    def keep(config, out=None):
+        made["config"] = config
+        return 0
+
+    monkeypatch.setattr(api, "launch", keep)
+    monkeypatch.setattr(api.LaunchConfig, "__post_init__", lambda self: None)  # no files here
+    args = cli.build_parser().parse_args(argv)
+    assert launch_command.run(args) == 0
+    config = made["config"]
+    assert config.restarts == 3 and config.min_nodes == 1
+    assert config.backup_dir.endswith("/backup") and config.secret_file.endswith("/secret")
+    assert config.nodes.rank == 1 and [n.host for n in config.nodes.plan] == ["node01", "node02"]
+    assert f"{config.nodes.plan[0].port - 1}/tcp (the rendezvous)" in " ".join(
+        sbatch.replace("#", "").split()
+    )
 
 
 # ------------------------------------------------------------------ real runs, two launchers

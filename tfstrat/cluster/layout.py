@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from tfstrat.cluster.config import TFConfig
 from tfstrat.cluster.hosts import expand_nodelist, show, slurm_var
 from tfstrat.cluster.nodes import DEFAULT_PORT, Node, plan
+from tfstrat.cluster.ports import join
 from tfstrat.errors import TFConfigError
 
 
@@ -78,6 +79,34 @@ class NodeLayout:
     def places(self) -> dict[str, str]:
         """Every task's node, for reports: {"worker:1": "node 1 (b)", ...}."""
         return {f"{job}:{i}": node.where for node in self.plan for job, i, _ in node.tasks}
+
+    def among(self, ranks: Sequence[int]) -> NodeLayout:
+        """The layout of the nodes `ranks` only (this one among them), numbered in their
+        order: what a multi-node restart runs on the nodes left. Each node keeps its workers;
+        the ps tasks of the nodes left out move to the first of `ranks`, so the job keeps its
+        ps count (Hybrid's tables and ParameterServer's variables keep their parts).
+
+        Example:
+            >>> layout = NodeLayout("a,b,c", rank=2, ps_per_node="1,0,0", port=2222)
+            >>> layout.among([1, 2]).tf_config().cluster
+            {'worker': ('b:2222', 'c:2222'), 'ps': ('b:2224',)}
+        """
+        ranks = sorted(set(ranks))
+        if self.rank not in ranks:
+            raise TFConfigError(f"Received: ranks {ranks} without this node ({self.rank}).")
+        count = lambda node, job: sum(1 for j, _, _ in node.tasks if j == job)  # noqa: E731
+        kept = [self.plan[r] for r in ranks]
+        workers = [count(n, "worker") for n in kept]
+        ps = [count(n, "ps") for n in kept]
+        ps[0] += sum(count(n, "ps") for n in self.plan if n.rank not in ranks)
+        if not any(workers):
+            names = ", ".join(n.where for n in kept)
+            raise TFConfigError(
+                f"no node with workers is left ({names} hold only ps tasks): the job cannot "
+                "continue. Start the nodes with workers again."
+            )
+        nodes = [join(n.host, n.port) for n in kept]
+        return NodeLayout(nodes, ranks.index(self.rank), workers, ps, self.port)
 
     def remote_trainers(self) -> dict[str, str]:
         """The workers of the other nodes: {"worker:1": "b:2222"}."""

@@ -27,7 +27,11 @@ ps tasks, at ports P, P+2, P+4, ... (P = --port, or the node's own `host:port`);
 listens on the port above its own (tfstrat's ring or table server), so open P..P+2K-1 between
 the nodes (`tfstrat tf-config --nodes ... --explain` lists them). Each launcher starts its own
 node's tasks; its ps tasks serve until every node's workers have ended. Ports are fixed: no
-port retries, and no --restarts (restart the whole job instead). Under srun with no --nodes,
+port retries. With --restarts K and --backup-dir DIR (shared by every node), a failure or a lost
+node does not end the job: the launchers meet at a rendezvous (each listens on its node's port
+P - 1) and start the next attempt on every node that answers, at least --min-nodes; training
+resumes from the chief's BackupAndRestore backup, and a node whose launcher starts again joins
+at once (the job grows). Under srun with no --nodes,
 --workers-per-node reads the nodes and this node's rank from SLURM_STEP_NODELIST /
 SLURM_JOB_NODELIST and SLURM_NODEID: `srun --ntasks-per-node=1 tfstrat launch
 --workers-per-node 2 -- python train.py`."""
@@ -44,6 +48,9 @@ In a multi-node run the report names the node of each task (worker:1 on node 1 (
 launcher stops only its own node's tasks: the other nodes learn of a failure from their tasks'
 errors (a ring or ps connection that closes names the task: "worker:1 on node 1 (host) is the
 probable cause") and fail in turn; under srun, --kill-on-bad-exit=1 stops every node at once.
+With --restarts, every node's launcher instead stops its tasks and joins the next attempt; one
+stopped by SIGINT/SIGTERM leaves the job (signal every launcher to stop it all). The ps tasks
+of a lost node move to the first node left.
 A node's ps tasks serve until the other nodes' workers have ended (a node with only ps tasks
 waits for each of them to come up and end: give --timeout).
 
@@ -98,6 +105,9 @@ def run(args) -> int:
             verbose=args.verbose,
             secret_file=args.secret_file,
             peer_timeout=args.peer_timeout,
+            backup_dir=args.backup_dir,
+            min_nodes=args.min_nodes,
+            rejoin_window=args.rejoin_window,
         )
     except ValueError as e:
         print(f"tfstrat launch: {e}", file=sys.stderr)
@@ -177,8 +187,31 @@ def add_parser(sub) -> None:
         default=_args.env("restarts", 0, int),
         metavar="K",
         help="when a task fails, stop all and start all again on fresh ports, up to K times "
-        "(default 0); tasks see the attempt in TFSTRAT_RESTART. Not with --nodes: restart the "
-        "whole job",
+        "(default 0); tasks see the attempt in TFSTRAT_RESTART. With --nodes: on the nodes "
+        "that answer the rendezvous (needs --backup-dir)",
+    )
+    g.add_argument(
+        "--backup-dir",
+        default=_args.env("backup-dir", None, str),
+        metavar="DIR",
+        help="the job's backup directory, given to every task as TFSTRAT_BACKUP_DIR "
+        "(tfstrat.keras.callbacks.BackupAndRestore() reads it); with --nodes and --restarts, "
+        "required and checked to be one directory every node shares",
+    )
+    g.add_argument(
+        "--min-nodes",
+        type=int,
+        default=_args.env("min-nodes", 1, int),
+        metavar="M",
+        help="with --nodes and --restarts: the fewest nodes an attempt runs on (default 1)",
+    )
+    g.add_argument(
+        "--rejoin-window",
+        type=float,
+        default=_args.env("rejoin-window", 60.0, float),
+        metavar="SECONDS",
+        help="with --nodes and --restarts: how long a restart waits for nodes that answer but "
+        "have not joined (default 60); the first attempt waits --peer-timeout for every node",
     )
     g.add_argument(
         "--peer-timeout",

@@ -194,6 +194,8 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
 
     Args:
         backup_dir: the directory of the backup (the chief's; only the chief writes there).
+            None: `TFSTRAT_BACKUP_DIR`, which `tfstrat launch --backup-dir DIR` sets (a
+            multi-node run that restarts needs one directory every node shares).
         save_freq: "epoch", or a number of batches between backups.
         double_checkpoint: keep the previous backup to fall back to.
         delete_checkpoint: delete the backup when training ends (not when it is stopped by
@@ -204,7 +206,15 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         >>> model.fit(x, y, epochs=10, callbacks=[cb])  # doctest: +SKIP
     """
 
-    def __init__(self, backup_dir, *args, **kwargs):
+    def __init__(self, backup_dir=None, *args, **kwargs):
+        if backup_dir is None:
+            backup_dir = os.environ.get("TFSTRAT_BACKUP_DIR")
+            if not backup_dir:
+                raise UsageError(
+                    "Received: BackupAndRestore() with no backup_dir and TFSTRAT_BACKUP_DIR "
+                    "unset. Give the directory, BackupAndRestore('backup'), or launch with "
+                    "`tfstrat launch --backup-dir DIR` (which sets TFSTRAT_BACKUP_DIR)."
+                )
         super().__init__(backup_dir, *args, **kwargs)
         self._scratch = _Scratch(backup_dir)
         self._offset = 0  # batches of the current epoch trained before this run started

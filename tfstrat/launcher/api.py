@@ -56,6 +56,7 @@ _LEFT_EARLY_AFTER = 1.0
 # How often a ps-holding node checks whether the other nodes' workers still run.
 _POLL_OTHER_NODES = 1.0
 _TASK_NAME = re.compile(r"^(chief|worker|ps):(\d+)$")
+BACKUP_DIR_ENV = "TFSTRAT_BACKUP_DIR"  # `LaunchConfig.backup_dir`, for BackupAndRestore()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +104,16 @@ class LaunchConfig:
             one (one machine) or none (nodes: the ports stay open, with a warning). Tasks get a
             secret of their attempt in `TFSTRAT_SECRET`, so tfstrat's ring and table servers
             refuse tasks of other jobs and of earlier attempts.
+        backup_dir: the job's backup directory, handed to every task in `TFSTRAT_BACKUP_DIR`
+            (`tfstrat.keras.callbacks.BackupAndRestore()` uses it). Required for `restarts`
+            with `nodes`, where it must be one directory every node shares (checked at each
+            rendezvous): whichever node is chief next restores from it.
+        min_nodes: with `nodes` and `restarts`, the fewest nodes an attempt may run on after
+            nodes are lost (default 1). Every attempt runs on the nodes that answer the
+            rendezvous (`tfstrat/launcher/rendezvous.py`); a node that comes back joins at once
+            (the job is stopped after its step and grows).
+        rejoin_window: seconds a restart's rendezvous waits for nodes that still answer but
+            have not joined; the first waits `peer_timeout` for every node to start.
     """
 
     command: Sequence[str]
@@ -122,6 +133,9 @@ class LaunchConfig:
     verbose: bool = False
     peer_timeout: float = 300.0
     secret_file: str | None = None
+    backup_dir: str | None = None
+    min_nodes: int = 1
+    rejoin_window: float = 60.0
 
     def __post_init__(self):
         if not self.command:
@@ -147,6 +161,15 @@ class LaunchConfig:
             raise UsageError(f"Received: restarts={self.restarts}. Use 0 or more restarts.")
         if self.grace < 0:
             raise UsageError(f"Received: grace={self.grace}. Use seconds >= 0.")
+        if not self.rejoin_window > 0:
+            raise UsageError(
+                f"Received: rejoin_window={self.rejoin_window!r}. Use a number of seconds > 0."
+            )
+        if self.min_nodes != 1 and self.nodes is None:
+            raise UsageError(
+                f"Received: min_nodes={self.min_nodes} without nodes. It is the fewest nodes "
+                "a multi-node run (--nodes ... --restarts K) continues on."
+            )
         if self.nodes is not None:
             self._check_nodes()
         self._check_show()
@@ -182,12 +205,23 @@ class LaunchConfig:
                 "nodes. A multi-node run takes its counts per node (--workers-per-node, "
                 "--ps-per-node); worker:0, on the first node, is the chief."
             )
-        if self.restarts:
+        if self.restarts and not self.backup_dir:
             raise UsageError(
-                f"Received: restarts={self.restarts} with nodes. A multi-node run does not "
-                "restart: the nodes' launchers do not talk to each other, so they cannot restart "
-                "together. Restart the whole job instead (SLURM's --requeue, a Kubernetes "
-                "restartPolicy), with tfstrat.keras.callbacks.BackupAndRestore to resume."
+                f"Received: restarts={self.restarts} with nodes and no backup_dir. A restart "
+                "resumes from the chief's backup on whichever nodes are left, so the nodes "
+                "must share it: give --backup-dir DIR, one directory of a shared file system "
+                "on every node, and train with tfstrat.keras.callbacks.BackupAndRestore() (it "
+                "reads TFSTRAT_BACKUP_DIR)."
+            )
+        if not 1 <= self.min_nodes <= len(self.nodes.plan):
+            raise UsageError(
+                f"Received: min_nodes={self.min_nodes} for {len(self.nodes.plan)} nodes. Use "
+                f"1..{len(self.nodes.plan)}."
+            )
+        if self.restarts and self.nodes.plan[self.nodes.rank].port < 2:
+            raise UsageError(
+                "Received: port 1 with restarts. A node's rendezvous listens on the port below "
+                "its first task's: give --port 2 or more."
             )
         if self.private_network:
             raise UsageError(
@@ -296,6 +330,8 @@ def _task_env(
         env[_secret.ENV] = secret
     if config.nodes is not None:
         env["TFSTRAT_NODE_RANK"] = str(config.nodes.rank)
+    if config.backup_dir:
+        env[BACKUP_DIR_ENV] = config.backup_dir
     env["PYTHONUNBUFFERED"] = "1"
     env = _quiet.task_env(env, task, config.verbose)  # TF_CPP_MIN_LOG_LEVEL=2 unless set
     threads = threads_per_task(config)
@@ -386,6 +422,7 @@ class _Outcome:
     code: int
     port_taken: bool = False
     failure: Failure | None = None
+    stopped: str | None = None  # why a rendezvous stopped the attempt (`abort`)
 
 
 class _Attempt:
@@ -400,8 +437,9 @@ class _Attempt:
         restart: int,
         start: int,
         secret: str | None = None,
+        abort: threading.Event | None = None,
     ):
-        self.config, self.out = config, out
+        self.config, self.out, self.abort = config, out, abort
         server = [sys.executable, "-m", "tfstrat", "server"]
         roles = _roles(config)
         shown = _shown(config, roles)
@@ -453,6 +491,8 @@ class _Attempt:
                 self.others.close()
 
     def _check(self, deadline: float | None) -> _Outcome | None:
+        if self.abort is not None and self.abort.is_set():
+            return self._stop_for_rendezvous()
         for task in self.everyone:
             code = task.poll()
             if code:  # a ps that exits 0 is fine once the workers need it no more
@@ -476,6 +516,20 @@ class _Attempt:
                 self.out.write(f"tfstrat launch: every task's full output: {self.config.log_dir}\n")
             return _Outcome(EXIT_TIMEOUT)
         return None
+
+    def _stop_for_rendezvous(self) -> _Outcome:
+        """Another node's launcher gathers the next attempt: SIGTERM stops the training
+        tasks after their step (with a backup), then the rest."""
+        live = [t.name for t in self.everyone if t.poll() is None]
+        if live:
+            self.out.write(
+                f"tfstrat launch: {self._here()}: stopping {', '.join(live)} for the next "
+                f"attempt (SIGTERM, SIGKILL after {self.config.grace:g} s).\n"
+            )
+            self.out.flush()
+        _tasks.stop(self.train, self.config.grace)
+        _tasks.stop(self.ps, self.config.grace)
+        return _Outcome(0, stopped="another node")
 
     def _others_ended(self) -> bool:
         """Whether this node's ps tasks may stop: no other node's worker runs any more."""
@@ -582,6 +636,8 @@ def _attempts(config: LaunchConfig, out: TextIO, deadline: float | None) -> int:
             "on every node): tfstrat's ring and table-server ports take connections from anyone "
             "who reaches them.\n"
         )
+    if config.nodes is not None and config.restarts:
+        return _node_attempts(config, out, deadline, base)
     while True:
         start = restart + port_retry
         cluster = _local_cluster(config)
@@ -614,6 +670,76 @@ def _attempts(config: LaunchConfig, out: TextIO, deadline: float | None) -> int:
         out.flush()
 
 
+def _node_attempts(
+    config: LaunchConfig, out: TextIO, deadline: float | None, base: bytes | None
+) -> int:
+    """A multi-node run that restarts: before every attempt the nodes' launchers meet at a
+    rendezvous (`tfstrat.launcher.rendezvous`), which names the attempt and its nodes."""
+    from tfstrat.launcher.rendezvous import Rendezvous
+
+    nodes = config.nodes
+    say = lambda line: (out.write(f"tfstrat launch: {nodes.node.where}: {line}\n"), out.flush())  # noqa: E731
+    rendezvous = Rendezvous(
+        nodes,
+        base,
+        min_nodes=config.min_nodes,
+        restarts=config.restarts,
+        first_window=config.peer_timeout,
+        window=config.rejoin_window,
+        backup_dir=config.backup_dir,
+        say=say,
+    )
+    why, cause, code = "start", "", 1
+    try:
+        while True:
+            result = rendezvous.join(why, cause, code)
+            if "stop" in result:
+                say(f"not restarting: {result['stop']}.")
+                return int(result["code"])
+            n, ranks = int(result["round"]), list(result["ranks"])
+            layout = nodes.among(ranks)
+            hosts = ", ".join(nodes.plan[r].where for r in ranks)
+            if n:
+                say(
+                    f"attempt {n} (TFSTRAT_RESTART={n}, restarts used {result['restarts']} of "
+                    f"{config.restarts}) on {len(ranks)} node(s): {hosts}; after "
+                    f"{result['cause']}"
+                )
+            else:
+                say(f"attempt 0 on {len(ranks)} node(s): {hosts}")
+            attempt_config = _for_layout(config, layout)
+            _say_layout(attempt_config, out, nodes.node.where)
+            cluster = layout.tf_config()
+            secret = None if base is None else _secret.derive(base, n, cluster.to_dict()["cluster"])
+            rendezvous.started(n, ranks)
+            attempt = _Attempt(attempt_config, cluster, out, n, n, secret, abort=rendezvous.abort)
+            try:
+                outcome = attempt.run(deadline)
+            finally:
+                rendezvous.stopped()
+            if outcome.stopped is not None:
+                why, cause, code = rendezvous.abort_why, rendezvous.abort_cause, 1
+                continue
+            if outcome.failure is None:  # done (0) or timed out (124): no restart
+                return outcome.code
+            if outcome.failure.code in USAGE_EXIT_CODES:
+                say(f"not restarting: {_no_restart_reason(outcome.failure, 0, 1)}.")
+                return outcome.code
+            why, code = "failure", outcome.failure.code
+            cause = outcome.failure.summary().rstrip(": ")
+    finally:
+        rendezvous.close()
+
+
+def _for_layout(config: LaunchConfig, layout: NodeLayout) -> LaunchConfig:
+    """`config` for one attempt on `layout`; `show` falls back to the chief's output when it
+    names a task that attempt does not have."""
+    try:
+        return dataclasses.replace(config, nodes=layout)
+    except UsageError:
+        return dataclasses.replace(config, nodes=layout, show="chief")
+
+
 def _command_problem(config: LaunchConfig) -> tuple[int, str] | None:
     """(exit code, message) when the command cannot run: 127 not found, 126 not executable."""
     name = config.command[0]
@@ -631,13 +757,17 @@ def _command_problem(config: LaunchConfig) -> tuple[int, str] | None:
     )
 
 
-def _say_layout(config: LaunchConfig, out: TextIO) -> None:
-    """One line: which node this is, what it starts, and the cluster every node builds."""
+def _say_layout(config: LaunchConfig, out: TextIO, where: str | None = None) -> None:
+    """One line: which node this is, what it starts, and the cluster every node builds.
+    `where`: the node's name in --nodes, when an attempt on fewer nodes numbers it anew."""
     nodes = config.nodes
     tasks = ", ".join(name for name, _ in nodes.local_tasks())
     cluster = {job: list(a) for job, a in nodes.tf_config().cluster.items()}
+    this = nodes.node.where
+    if where is not None and where != this:
+        this = f"{where}, {this} in this attempt,"
     out.write(
-        f"tfstrat launch: {nodes.node.where} of {len(nodes.plan)} nodes starts {tasks}; "
+        f"tfstrat launch: {this} of {len(nodes.plan)} nodes starts {tasks}; "
         f"cluster {json.dumps(cluster, separators=(',', ':'))}\n"
     )
     out.flush()
@@ -688,7 +818,7 @@ def launch(config: LaunchConfig, out: TextIO | None = None) -> int:
             from tfstrat.launcher import private_network as _private
 
             return _private.run(config, out)
-        if config.nodes is not None:
+        if config.nodes is not None and not config.restarts:
             _say_layout(config, out)
         _say_output(config, out)
         return _attempts(config, out, deadline)

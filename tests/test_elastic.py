@@ -1,0 +1,289 @@
+"""Losing a node is not losing the job: `tfstrat launch --nodes ... --restarts K --min-nodes 2
+--backup-dir D` on three "machines" (network namespaces on one bridge, tests/helpers/netns.py),
+one launcher per machine as a user starts them, a backup directory they share.
+
+A node's launcher and every task it started are killed (SIGKILL of its process group) in the
+middle of an epoch; the other launchers stop their tasks, meet at the rendezvous and train on
+from the chief's backup on the two nodes left; the final weights must be within 1e-5 of an
+uninterrupted run on the three nodes (the global batch, 12, is sliced 4+4+4 or 6+6). Each case
+also bounds the seconds from the kill to the first step trained again.
+
+Cases: CollectiveAllReduce losing node 1, whose launcher is then started again, so the job
+grows back to three nodes at once; CollectiveAllReduce losing node 0 (the chief, and the
+rendezvous host); Hybrid with ps:0 on node 0 losing node 0 (ps:0 moves to the first node left,
+its table restored from the backup); Hybrid losing node 2. Needs root (skipped otherwise).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import netns
+import numpy as np
+import pytest
+from paths import WORKERS
+
+pytestmark = [pytest.mark.cluster]
+
+PORT = 2222
+TOLERANCE = 1e-5
+RUN_SECONDS = 300  # one launch: three attempts' start-ups on 2 cores, 24 steps of 0.4 s
+BACK_WITHIN = 90  # from the kill to a step trained again: detection, rendezvous, start-up
+APART = {"TFSTRAT_RING_SHARED_MEMORY": "0"}  # as between machines (test_multihost)
+STEP = re.compile(r"elastic: epoch (\d+) batch (\d+) restart (\d+) workers (\d+) at ([\d.]+)")
+
+
+@pytest.fixture(scope="module")
+def net():
+    network = netns.Network(3)
+    try:
+        network.__enter__()
+    except netns.Unavailable as e:
+        netns.skip_or_fail(str(e))
+    try:
+        yield network
+    finally:
+        network.close()
+
+
+def _launch(net, rank: int, out, kind: str, ps: str | None, name: str):
+    nodes = ",".join(net.ipv4(i) for i in range(3))
+    argv = [
+        sys.executable, "-m", "tfstrat", "launch",
+        "--nodes", nodes, "--node-rank", str(rank), "--workers-per-node", "1",
+        *(["--ps-per-node", ps] if ps else []),
+        "--port", str(PORT), "--threads-per-task", "1",
+        "--restarts", "2", "--min-nodes", "2", "--rejoin-window", "20",
+        "--backup-dir", str(out / "backup"), "--secret-file", str(out / "secret"),
+        "--timeout", str(RUN_SECONDS), "--show", "all", "--grace", "10",
+        "--", sys.executable, "elastic_train.py", str(out), kind,
+    ]  # fmt: skip
+    env = {"PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2", **APART}
+    return net.start(rank, argv, env=env, name=name, cwd=WORKERS)
+
+
+def _prepare(out):
+    (out / "backup").mkdir(parents=True)
+    (out / "secret").write_text("elastic test job\n")
+
+
+def _steps(text: str) -> list[tuple[int, int, int, int, float]]:
+    return [(int(e), int(b), int(r), int(w), float(t)) for e, b, r, w, t in STEP.findall(text)]
+
+
+def _run(net, out, kind: str, ps: str | None, tag: str):
+    _prepare(out)
+    return [_launch(net, r, out, kind, ps, f"{tag} node {r}") for r in range(3)]
+
+
+def _final(out) -> list[np.ndarray]:
+    with np.load(out / "final.npz") as f:
+        return [f[k] for k in sorted(f.files, key=lambda k: (len(k), k))]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(net, tmp_path_factory):
+    """Each strategy's run on three nodes that lose nothing (the layouts of the cases)."""
+    finals = {}
+    for kind, ps in (("collective", None), ("hybrid", "1,0,0")):
+        out = tmp_path_factory.mktemp(f"uninterrupted-{kind}")
+        launchers = _run(net, out, kind, ps, f"uninterrupted {kind}")
+        net.wait(launchers, RUN_SECONDS + 60)
+        steps = _steps(launchers[0].output(limit=10**7))
+        assert {s[2] for s in steps} == {0} and {s[3] for s in steps} == {3}, steps
+        finals[kind] = _final(out)
+    return finals
+
+
+def _wait_for_step(task, epoch: int, batch: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(s[:2] >= (epoch, batch) for s in _steps(task.output(limit=10**7))):
+            return
+        if task.proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    raise AssertionError(f"no step {epoch}/{batch} within {timeout} s:\n{task.output()}")
+
+
+def _say(net, launchers) -> str:
+    return net.report(launchers, limit=30000)
+
+
+CASES = {
+    # (strategy, ps per node, node killed, started again)
+    "collective-node1-and-back": ("collective", None, 1, True),
+    "collective-node0": ("collective", None, 0, False),
+    "hybrid-node0-with-the-ps": ("hybrid", "1,0,0", 0, False),
+    "hybrid-node2": ("hybrid", "1,0,0", 2, False),
+}
+
+
+@pytest.mark.multihost
+@pytest.mark.elastic
+@pytest.mark.slow
+@pytest.mark.timeout(2 * RUN_SECONDS + 200)
+@pytest.mark.parametrize("case", list(CASES))
+def test_losing_a_node_ends_where_an_uninterrupted_run_ends(net, uninterrupted, tmp_path, case):
+    kind, ps, lost, back = CASES[case]
+    launchers = _run(net, tmp_path, kind, ps, case)
+    _wait_for_step(launchers[0], 1, 2, RUN_SECONDS)  # mid-epoch 1, backups at batches 1, 3, ...
+    killed_at = time.time()
+    net.stop(launchers[lost])
+    survivors = [t for r, t in enumerate(launchers) if r != lost]
+    if back:
+        # Once the two nodes left train, node 1's launcher starts again: the job grows.
+        deadline = time.monotonic() + BACK_WITHIN + 30
+        while not any(s[2] >= 1 for s in _steps(launchers[0].output(limit=10**7))):
+            assert time.monotonic() < deadline, _say(net, launchers)
+            time.sleep(0.2)
+        survivors.append(_launch(net, lost, tmp_path, kind, ps, f"{case} node {lost} again"))
+    net.wait(survivors, 2 * RUN_SECONDS)
+    log = _say(net, [*launchers, *survivors[len(launchers) - 1 :]])
+
+    # The chief of each attempt prints the steps: node 0's, or after losing node 0, node 1's.
+    text = "".join(t.output(limit=10**7) for t in survivors)
+    steps = _steps(text)
+    resumed = [s for s in steps if s[2] >= 1]
+    assert resumed, log
+    took = min(s[4] for s in resumed) - killed_at
+    assert 0 < took < BACK_WITHIN, (took, log)
+    workers = {s[2]: s[3] for s in steps}
+    if back:  # two nodes, then three again (at most one more restart for the growth)
+        assert 2 in workers.values() and workers[max(workers)] == 3, (workers, log)
+    else:
+        assert workers[max(workers)] == 2, (workers, log)
+    assert f"after node {lost} ({net.ipv4(lost)})" in log or "stopped answering" in log, log
+    if ps and lost == 0:  # ps:0 moved to node 1, the first node left
+        assert f'"ps":["{net.ipv4(1)}:{PORT + 2}"]' in log, log
+
+    final, reference = _final(tmp_path), uninterrupted[kind]
+    assert len(final) == len(reference)
+    for a, b in zip(final, reference):
+        scale = max(1.0, float(np.abs(b).max()))
+        assert float(np.abs(a - b).max()) <= TOLERANCE * scale, (case, a, b)
+
+
+@pytest.mark.timeout(120)
+def test_a_backup_dir_the_nodes_do_not_share_is_refused_at_start(tmp_path):
+    """Two launchers on this machine (127.0.0.1 at two ports), each given its own
+    --backup-dir: the rendezvous finds the directory is not shared and both stop at once
+    (exit 2), naming it, before any task starts."""
+    from tfstrat.cluster.ports import free_port
+
+    base = free_port()
+    nodes = f"127.0.0.1:{base + 10},127.0.0.1:{base + 20}"
+    procs = []
+    for rank in range(2):
+        (tmp_path / f"b{rank}").mkdir()
+        argv = [
+            sys.executable, "-m", "tfstrat", "launch", "--nodes", nodes,
+            "--node-rank", str(rank), "--restarts", "1", "--backup-dir",
+            str(tmp_path / f"b{rank}"), "--", sys.executable, "-c", "print('trained')",
+        ]  # fmt: skip
+        procs.append(
+            subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
+    outs = [p.communicate(timeout=60)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 2, out
+        assert "is not shared" in out and "trained" not in out, out
+
+
+# ------------------------------------------------------ the rendezvous alone, on this machine
+
+TOY = """
+import json, os, sys, time
+cluster = json.loads(os.environ["TF_CONFIG"])["cluster"]
+print("toy", os.environ["TFSTRAT_TASK"], "restart", os.environ["TFSTRAT_RESTART"], "workers",
+      len(cluster["worker"]), "ps", len(cluster.get("ps", [])), flush=True)
+time.sleep(float(sys.argv[1]))
+"""
+
+
+def _toy_nodes(count: int) -> str:
+    """--nodes for `count` launchers on 127.0.0.1, each with its own port range."""
+    from tfstrat.cluster.ports import free_port
+
+    base = free_port()
+    return ",".join(f"127.0.0.1:{base + 10 + 100 * i}" for i in range(count))
+
+
+def _toy_launchers(tmp_path, nodes, ranks, extra, seconds):
+    """Launchers of a toy job (no TensorFlow): `ranks` of `nodes`."""
+    (tmp_path / "toy.py").write_text(TOY)
+    (tmp_path / "backup").mkdir(exist_ok=True)
+    procs = {}
+    for rank in ranks:
+        argv = [
+            sys.executable, "-m", "tfstrat", "launch", "--nodes", nodes, "--node-rank",
+            str(rank), "--backup-dir", str(tmp_path / "backup"), "--show", "all", *extra,
+            "--", sys.executable, str(tmp_path / "toy.py"), str(seconds),
+        ]  # fmt: skip
+        procs[rank] = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # killed whole, as a lost node's launcher and tasks
+        )
+    return procs
+
+
+def _toy_attempts(out: str) -> list[tuple[int, int]]:
+    """(restart, workers) of each toy task start in a launcher's output."""
+    found = re.findall(r"toy worker:\d+ restart (\d+) workers (\d+)", out)
+    return [(int(r), int(w)) for r, w in found]
+
+
+@pytest.mark.timeout(240)
+def test_the_launchers_go_on_without_a_lost_node_and_take_it_back(tmp_path):
+    """Three launchers of a job whose tasks only sleep: node 2's launcher and task are
+    SIGKILLed (no task of the others fails: only the rendezvous can notice); the two others go
+    on in attempt 1 on two nodes, and when node 2's launcher starts again, the job grows back
+    to three nodes in attempt 2, which ends the run (exit 0 everywhere)."""
+    extra = ["--restarts", "1", "--rejoin-window", "10"]
+    nodes = _toy_nodes(3)
+    procs = _toy_launchers(tmp_path, nodes, range(3), extra, 12)
+    time.sleep(4)  # the three toy tasks run attempt 0
+    killed_at = time.monotonic()
+    os.killpg(procs[2].pid, signal.SIGKILL)
+    procs[2].wait(timeout=10)
+    seen = []
+    while "toy worker:0 restart 1 workers 2" not in "".join(seen[-1:]):
+        line = procs[0].stdout.readline()  # node 0's output until attempt 1 runs
+        assert line and time.monotonic() - killed_at < 60, "".join(seen)
+        seen.append(line)
+    took = time.monotonic() - killed_at
+    assert took < 30, (took, "".join(seen))  # 3 missed answers 2 s apart, the rendezvous
+    again = _toy_launchers(tmp_path, nodes, [2], extra, 12)[2]
+    outs = {1: procs[1].communicate(timeout=120)[0], 2: again.communicate(timeout=120)[0]}
+    outs[0] = "".join(seen) + procs[0].communicate(timeout=30)[0]
+    for rank in (0, 1):
+        assert procs[rank].returncode == 0, outs[rank]
+        assert _toy_attempts(outs[rank]) == [(0, 3), (1, 2), (2, 3)], outs[rank]
+        assert "stopped answering its rendezvous" in outs[rank], outs[rank]
+        assert "restarts used 1 of 1" in outs[rank] and "node 2 (127.0.0.1) joined" in outs[rank]
+    assert again.returncode == 0 and _toy_attempts(outs[2]) == [(2, 3)], outs[2]
+
+
+@pytest.mark.timeout(120)
+def test_too_few_nodes_left_stops_the_job_naming_min_nodes(tmp_path):
+    """Two launchers with --min-nodes 2: when node 1 is lost, node 0 does not go on alone."""
+    nodes = _toy_nodes(2)
+    extra = ["--restarts", "3", "--min-nodes", "2", "--rejoin-window", "10"]
+    procs = _toy_launchers(tmp_path, nodes, range(2), extra, 60)
+    time.sleep(4)
+    killed_at = time.monotonic()
+    os.killpg(procs[1].pid, signal.SIGKILL)
+    out = procs[0].communicate(timeout=90)[0]
+    took = time.monotonic() - killed_at
+    assert procs[0].returncode == 1, out
+    said = "not restarting: only 1 node(s) joined within 10 s (node 0 (127.0.0.1)), fewer than --min-nodes 2"
+    assert said in out, out
+    assert took < 40, (took, out)
