@@ -697,6 +697,8 @@ def _node_attempts(
                 say(f"not restarting: {result['stop']}.")
                 return int(result["code"])
             n, ranks = int(result["round"]), list(result["ranks"])
+            if nodes.rank not in ranks:  # decided without this node: join the next one
+                continue
             layout = nodes.among(ranks)
             hosts = ", ".join(nodes.plan[r].where for r in ranks)
             if n:
@@ -721,7 +723,12 @@ def _node_attempts(
                 why, cause, code = rendezvous.abort_why, rendezvous.abort_cause, 1
                 continue
             if outcome.failure is None:  # done (0) or timed out (124): no restart
+                if outcome.code == 0:
+                    rendezvous.finished()
                 return outcome.code
+            if rendezvous.superseded():  # stopped with the others for a newer attempt
+                why, cause, code = "restart", rendezvous.abort_cause, 1
+                continue
             if outcome.failure.code in USAGE_EXIT_CODES:
                 say(f"not restarting: {_no_restart_reason(outcome.failure, 0, 1)}.")
                 return outcome.code

@@ -77,6 +77,9 @@ class Rendezvous:
         )
         # This node's own state (`hello`).
         self.round, self.used, self.running = -1, 0, False
+        self._ranks: list[int] = []  # the nodes of the attempt this node runs or ran last
+        self._done: set[int] = set()  # those that finished it (exit 0)
+        self._finished = False  # this node's tasks finished (it joins no more)
         self.abort = threading.Event()  # set: stop the running attempt
         self.abort_cause, self.abort_why = "", "restart"
         self._wanted = -1  # the newest round a host gathers (`restart`)
@@ -109,6 +112,7 @@ class Rendezvous:
             "cause": cause,
             "code": code,
             "check": check,
+            "chief_done": self._chief_done(),
         }
         bound = self.first_window + self.window + 60
         deadline = time.monotonic() + bound
@@ -139,14 +143,37 @@ class Rendezvous:
             self.abort.clear()
             if self._wanted > round_:
                 self._stop_attempt("a newer attempt is being gathered", "restart")
+        self._ranks, self._done = list(ranks), set()
         if len(ranks) > 1:
             after = ranks[(ranks.index(self.rank) + 1) % len(ranks)]
             threading.Thread(target=self._watch, args=(round_, after), daemon=True).start()
+
+    def finished(self) -> None:
+        """This node's tasks of the running attempt are done (exit 0): the other nodes stop
+        watching it, and do not restart the job if the chief's node is done."""
+        self._finished = True
+        for rank in self._ranks:
+            if rank != self.rank:
+                try:
+                    self._request(rank, {"op": "done", "rank": self.rank, "round": self.round}, 2)
+                except (OSError, ValueError):
+                    pass
+
+    def superseded(self) -> bool:
+        """Whether a host gathers a newer attempt than the one this node ran: its tasks may
+        have failed because that host stopped the others' (not a failure of their own)."""
+        with self._lock:
+            return self._wanted > self.round
+
+    def _chief_done(self) -> bool:
+        return bool(self._ranks) and self._ranks[0] in self._done
 
     def _watch(self, round_: int, rank: int) -> None:
         missed = 0
         while self.running and self.round == round_ and not self.abort.is_set():
             time.sleep(WATCH_SECONDS)
+            if rank in self._done:  # it finished: nothing to watch
+                return
             missed = 0 if self._hello(rank) is not None else missed + 1
             if missed >= WATCH_MISSES:
                 with self._lock:
@@ -244,18 +271,33 @@ class Rendezvous:
         op = message["op"]
         if op == "hello":
             with self._lock:
-                return {"round": self.round, "running": self.running, "restarts": self.used}
+                return {
+                    "round": self.round,
+                    "running": self.running,
+                    "restarts": self.used,
+                    "done": self._finished,
+                }
         if op == "restart":
             with self._lock:
                 self._wanted = max(self._wanted, int(message["round"]))
                 if self.round < self._wanted:
                     self._stop_attempt(str(message["cause"]), "restart")
             return {"ok": True}
+        if op == "done":
+            with self._lock:
+                if int(message["round"]) == self.round:
+                    self._done.add(int(message["rank"]))
+            return {"ok": True}
         if op == "join":
             return self._host_join(message)
         raise ValueError(op)
 
     # -- the host's side ---------------------------------------------------------------------
+
+    def _answers(self, rank: int) -> bool:
+        """Whether node `rank` answers and may still join (not a node whose tasks are done)."""
+        state = self._hello(rank)
+        return state is not None and not state.get("done")
 
     def _lower_answering(self) -> int | None:
         for rank in range(self.rank):
@@ -268,10 +310,14 @@ class Rendezvous:
         if lower is not None:
             return {"redirect": lower}
         with self._host_lock:
-            gathering = self._gathering
-            if gathering is None or gathering.result is not None:
-                gathering = self._gathering = _Gathering()
-                threading.Thread(target=self._gather, args=(gathering,), daemon=True).start()
+            while True:
+                gathering = self._gathering
+                if gathering is None or gathering.result is not None:
+                    gathering = self._gathering = _Gathering()
+                    threading.Thread(target=self._gather, args=(gathering,), daemon=True).start()
+                if not gathering.closed:
+                    break
+                self._host_lock.wait(1.0)  # its nodes are decided: the next round takes this one
             gathering.joined[int(message["rank"])] = message
             self._host_lock.notify_all()
             while gathering.result is None:
@@ -304,7 +350,7 @@ class Rendezvous:
                 return {"redirect": lower}
             with self._host_lock:
                 joined = dict(g.joined)
-            answering = {r for r in everyone if r in joined or self._hello(r) is not None}
+            answering = {r for r in everyone if r in joined or self._answers(r)}
             for r in answering - set(joined) - asked:  # stop what they run; join us
                 try:
                     self._request(r, {"op": "restart", "round": number, "cause": cause}, 5.0)
@@ -318,9 +364,19 @@ class Rendezvous:
             if time.monotonic() - started > window:
                 break
             time.sleep(0.5)
+        with self._host_lock:  # later joiners wait for the next round
+            g.closed = True
+            joined = dict(g.joined)
         ranks = sorted(joined)
         cause = self._cause(joined, last)
         failures = [j for j in joined.values() if j["why"] == "failure"]
+        if any(j.get("chief_done") for j in joined.values()):
+            # The chief finished training (and may have deleted its backup): a restart would
+            # train again what is done.
+            return {
+                "stop": f"the chief's node finished the training before {cause}",
+                "code": int(failures[0]["code"]) if failures else 1,
+            }
         if failures:
             used += 1
             if used > self.restarts:
@@ -382,6 +438,7 @@ class Rendezvous:
 class _Gathering:
     def __init__(self):
         self.joined: dict[int, dict] = {}
+        self.closed = False  # the nodes are decided; joiners from now on wait for the next
         self.result: dict | None = None
 
 
