@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.cluster]
 
 PORT = 2222
 TOLERANCE = 1e-5
-RUN_SECONDS = 300  # one launch: three attempts' start-ups on 2 cores, 24 steps of 0.4 s
+RUN_SECONDS = 300  # one launch: three attempts' start-ups on 2 cores, 24 steps of 0.25 s
 BACK_WITHIN = 90  # from the kill to a step trained again: detection, rendezvous, start-up
 APART = {"TFSTRAT_RING_SHARED_MEMORY": "0"}  # as between machines (test_multihost)
 STEP = re.compile(r"elastic: epoch (\d+) batch (\d+) restart (\d+) workers (\d+) at ([\d.]+)")

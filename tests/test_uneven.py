@@ -28,7 +28,9 @@ STEPS = {25: 4, 30: 4, 31: 3}  # ceil(92 / batch)
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The reference and MirroredNCCL over 2, 3 and 4 logical CPUs: one process."""
+    """The reference and MirroredNCCL over 2 and 4 logical CPUs (25 rows: 13/12 and 7/6/6/6;
+    the last 2 rows leave 2 of 4 replicas empty), in one process. Three replicas are the
+    3-worker CollectiveAllReduce case below."""
     out = tmp_path_factory.mktemp("uneven")
     run_script("uneven_equiv.py", str(out), "mirrored", timeout=1100)
     return out
@@ -66,9 +68,9 @@ def _check(result, ref, label, names=("sgdm", "adam"), logs=True):
 
 
 @pytest.mark.timeout(1200)
-def test_mirrored_on_2_3_and_4_devices_equals_single_device(runs):
+def test_mirrored_on_2_and_4_devices_equals_single_device(runs):
     ref = np.load(runs / "reference.npz")
-    for n in (2, 3, 4):
+    for n in (2, 4):
         _check(np.load(runs / f"mirrored_{n}.npz"), ref, f"mirrored {n}")
 
 

@@ -5,7 +5,7 @@ Usage: python elastic_train.py OUT collective|hybrid
 CollectiveAllReduce (SGD with momentum) or Hybrid (Adagrad; the table on the ps), 3 epochs of
 8 steps at global batch 12 (divisible by 3 and 2 workers), with
 `tfstrat.keras.callbacks.BackupAndRestore(save_freq=2)` in TFSTRAT_BACKUP_DIR. Every step
-sleeps 0.4 s, so a test can stop a node in the middle of an epoch. The chief prints a line per
+sleeps 0.25 s, so a test can stop a node in the middle of an epoch. The chief prints a line per
 step (`elastic: epoch E batch B restart R workers W at T`) and at the end writes OUT/final.npz:
 the final weights, a ps-held table read whole.
 """
@@ -51,7 +51,7 @@ class Steps(keras.callbacks.Callback):
         self.epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
-        time.sleep(0.4)
+        time.sleep(0.25)
         if chief:
             print(
                 f"elastic: epoch {self.epoch} batch {batch} restart {RESTART} workers "

@@ -2,8 +2,8 @@
 
 Usage:
     python uneven_equiv.py OUT mirrored     one process: the single-device reference
-                                            (OUT/reference.npz), then MirroredNCCL over 2, 3
-                                            and 4 logical CPUs (OUT/mirrored_<N>.npz)
+                                            (OUT/reference.npz), then MirroredNCCL over 2 and
+                                            4 logical CPUs (OUT/mirrored_<N>.npz)
     python uneven_equiv.py OUT reference    the reference only
     python uneven_equiv.py OUT collective   a CollectiveAllReduce worker (`tfstrat launch`)
     python uneven_equiv.py OUT hybrid       a Hybrid worker (`tfstrat launch --ps 1`): also the
@@ -161,7 +161,7 @@ if args.mode in ("reference", "mirrored"):
     np.savez(os.path.join(args.out, "reference.npz"), **train(None, True, ALL))
 if args.mode == "mirrored":
     devices = [d.name for d in tf.config.list_logical_devices("CPU")]
-    for n in (2, 3, 4):
+    for n in (2, 4):
         strategy = tfstrat.MirroredNCCL(devices=devices[:n], timeout=60)
         np.savez(os.path.join(args.out, f"mirrored_{n}.npz"), **train(strategy, reference=False))
         print("done mirrored", n, flush=True)
