@@ -292,3 +292,21 @@ def test_too_few_nodes_left_stops_the_job_naming_min_nodes(tmp_path):
     said = "not restarting: only 1 node(s) joined within 10 s (node 0 (127.0.0.1)), fewer than --min-nodes 2"
     assert said in out, out
     assert took < 40, (took, out)
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_to_every_launcher_stops_the_job_without_a_restart(tmp_path):
+    """`scancel` signals every launcher: each stops its tasks and exits 143; none restarts."""
+    nodes = _toy_nodes(3)
+    procs = _toy_launchers(tmp_path, nodes, range(3), ["--restarts", "2"], 60)
+    time.sleep(4)
+    stopped_at = time.monotonic()
+    for proc in procs.values():
+        proc.send_signal(signal.SIGTERM)
+    outs = {rank: proc.communicate(timeout=60)[0] for rank, proc in procs.items()}
+    took = time.monotonic() - stopped_at
+    for rank, proc in procs.items():
+        assert proc.returncode == 143, outs[rank]
+        assert "SIGTERM received; stopped all tasks" in outs[rank], outs[rank]
+        assert _toy_attempts(outs[rank]) == [(0, 3)], outs[rank]  # no attempt 1
+    assert took < 30, took
