@@ -155,8 +155,12 @@ def test_losing_a_node_ends_where_an_uninterrupted_run_ends(net, uninterrupted, 
     assert 0 < took < BACK_WITHIN, (took, log)
     print(f"{case}: {took:.1f} s from the kill to a step trained again")  # pytest -rP shows it
     workers = {s[2]: s[3] for s in steps}
-    if back:  # two nodes, then three again (at most one more restart for the growth)
+    if back:  # two nodes, then three again; growing uses no restart
         assert 2 in workers.values() and workers[max(workers)] == 3, (workers, log)
+        grown = [
+            line for line in log.splitlines() if f"node {lost} ({net.ipv4(lost)}) joined" in line
+        ]
+        assert grown and all("restarts used 1 of 2" in line for line in grown), (grown, log)
     else:
         assert workers[max(workers)] == 2, (workers, log)
     # Each restart says why: the lost node is named (its task the probable cause, or the
@@ -202,12 +206,15 @@ def test_a_backup_dir_the_nodes_do_not_share_is_refused_at_start(tmp_path):
 
 # ------------------------------------------------------ the rendezvous alone, on this machine
 
+# A toy task: it says which attempt it runs and on how many workers, then sleeps (attempts
+# 0 and 1 for the given seconds, later ones 2 s).
 TOY = """
 import json, os, sys, time
 cluster = json.loads(os.environ["TF_CONFIG"])["cluster"]
-print("toy", os.environ["TFSTRAT_TASK"], "restart", os.environ["TFSTRAT_RESTART"], "workers",
+restart = int(os.environ["TFSTRAT_RESTART"])
+print("toy", os.environ["TFSTRAT_TASK"], "restart", restart, "workers",
       len(cluster["worker"]), "ps", len(cluster.get("ps", [])), flush=True)
-time.sleep(float(sys.argv[1]))
+time.sleep(float(sys.argv[1]) if restart < 2 else 2)
 """
 
 
@@ -223,11 +230,13 @@ def _toy_launchers(tmp_path, nodes, ranks, extra, seconds):
     """Launchers of a toy job (no TensorFlow): `ranks` of `nodes`."""
     (tmp_path / "toy.py").write_text(TOY)
     (tmp_path / "backup").mkdir(exist_ok=True)
+    (tmp_path / "secret").write_text("toy job\n")  # names the job (its end is recorded)
     procs = {}
     for rank in ranks:
         argv = [
             sys.executable, "-m", "tfstrat", "launch", "--nodes", nodes, "--node-rank",
-            str(rank), "--backup-dir", str(tmp_path / "backup"), "--show", "all", *extra,
+            str(rank), "--backup-dir", str(tmp_path / "backup"), "--show", "all",
+            "--secret-file", str(tmp_path / "secret"), *extra,
             "--", sys.executable, str(tmp_path / "toy.py"), str(seconds),
         ]  # fmt: skip
         procs[rank] = subprocess.Popen(
@@ -238,6 +247,17 @@ def _toy_launchers(tmp_path, nodes, ranks, extra, seconds):
             start_new_session=True,  # killed whole, as a lost node's launcher and tasks
         )
     return procs
+
+
+def _read_until(proc, text: str, seconds: float) -> str:
+    """`proc`'s output lines up to the first that holds `text` (a loaded machine may take
+    long to start the first attempt: waiting for it beats a fixed sleep)."""
+    lines, deadline = [], time.monotonic() + seconds
+    while not lines or text not in lines[-1]:
+        line = proc.stdout.readline()
+        assert line and time.monotonic() < deadline, (text, "".join(lines))
+        lines.append(line)
+    return "".join(lines)
 
 
 def _toy_attempts(out: str) -> list[tuple[int, int]]:
@@ -251,30 +271,32 @@ def test_the_launchers_go_on_without_a_lost_node_and_take_it_back(tmp_path):
     """Three launchers of a job whose tasks only sleep: node 2's launcher and task are
     SIGKILLed (no task of the others fails: only the rendezvous can notice); the two others go
     on in attempt 1 on two nodes, and when node 2's launcher starts again, the job grows back
-    to three nodes in attempt 2, which ends the run (exit 0 everywhere)."""
+    to three nodes in attempt 2 (no restart used), which ends the run (exit 0 everywhere). A
+    launcher started after that finds the job's end recorded and stops."""
     extra = ["--restarts", "1", "--rejoin-window", "10"]
     nodes = _toy_nodes(3)
-    procs = _toy_launchers(tmp_path, nodes, range(3), extra, 12)
-    time.sleep(4)  # the three toy tasks run attempt 0
+    procs = _toy_launchers(tmp_path, nodes, range(3), extra, 60)
+    seen = {r: _read_until(procs[r], f"toy worker:{r} restart 0 workers 3", 120) for r in procs}
     killed_at = time.monotonic()
     os.killpg(procs[2].pid, signal.SIGKILL)
     procs[2].wait(timeout=10)
-    seen = []
-    while "toy worker:0 restart 1 workers 2" not in "".join(seen[-1:]):
-        line = procs[0].stdout.readline()  # node 0's output until attempt 1 runs
-        assert line and time.monotonic() - killed_at < 60, "".join(seen)
-        seen.append(line)
+    seen[0] += _read_until(procs[0], "toy worker:0 restart 1 workers 2", 60)
     took = time.monotonic() - killed_at
-    assert took < 30, (took, "".join(seen))  # 3 missed answers 2 s apart, the rendezvous
-    again = _toy_launchers(tmp_path, nodes, [2], extra, 12)[2]
-    outs = {1: procs[1].communicate(timeout=120)[0], 2: again.communicate(timeout=120)[0]}
-    outs[0] = "".join(seen) + procs[0].communicate(timeout=30)[0]
+    assert took < 30, (took, seen[0])  # 3 missed answers 2 s apart, the rendezvous
+    again = _toy_launchers(tmp_path, nodes, [2], extra, 60)[2]
+    outs = {1: seen[1] + procs[1].communicate(timeout=120)[0], 2: again.communicate(timeout=120)[0]}
+    outs[0] = seen[0] + procs[0].communicate(timeout=30)[0]
     for rank in (0, 1):
         assert procs[rank].returncode == 0, outs[rank]
         assert _toy_attempts(outs[rank]) == [(0, 3), (1, 2), (2, 3)], outs[rank]
         assert "stopped answering its rendezvous" in outs[rank], outs[rank]
         assert "restarts used 1 of 1" in outs[rank] and "node 2 (127.0.0.1) joined" in outs[rank]
     assert again.returncode == 0 and _toy_attempts(outs[2]) == [(2, 3)], outs[2]
+    # Started once more after the end, node 1's launcher does not train alone.
+    late = _toy_launchers(tmp_path, nodes, [1], extra, 60)[1]
+    out = late.communicate(timeout=60)[0]
+    assert late.returncode == 0 and not _toy_attempts(out), out
+    assert "the job has ended: the chief's node, node 0 (127.0.0.1), finished the training" in out
 
 
 @pytest.mark.timeout(120)
@@ -283,10 +305,10 @@ def test_too_few_nodes_left_stops_the_job_naming_min_nodes(tmp_path):
     nodes = _toy_nodes(2)
     extra = ["--restarts", "3", "--min-nodes", "2", "--rejoin-window", "10"]
     procs = _toy_launchers(tmp_path, nodes, range(2), extra, 60)
-    time.sleep(4)
+    out = _read_until(procs[0], "toy worker:0 restart 0 workers 2", 120)
     killed_at = time.monotonic()
     os.killpg(procs[1].pid, signal.SIGKILL)
-    out = procs[0].communicate(timeout=90)[0]
+    out += procs[0].communicate(timeout=90)[0]
     took = time.monotonic() - killed_at
     assert procs[0].returncode == 1, out
     said = "not restarting: only 1 node(s) joined within 10 s (node 0 (127.0.0.1)), fewer than --min-nodes 2"
@@ -299,11 +321,11 @@ def test_sigterm_to_every_launcher_stops_the_job_without_a_restart(tmp_path):
     """`scancel` signals every launcher: each stops its tasks and exits 143; none restarts."""
     nodes = _toy_nodes(3)
     procs = _toy_launchers(tmp_path, nodes, range(3), ["--restarts", "2"], 60)
-    time.sleep(4)
+    seen = {r: _read_until(procs[r], f"toy worker:{r} restart 0 workers 3", 120) for r in procs}
     stopped_at = time.monotonic()
     for proc in procs.values():
         proc.send_signal(signal.SIGTERM)
-    outs = {rank: proc.communicate(timeout=60)[0] for rank, proc in procs.items()}
+    outs = {rank: seen[rank] + proc.communicate(timeout=60)[0] for rank, proc in procs.items()}
     took = time.monotonic() - stopped_at
     for rank, proc in procs.items():
         assert proc.returncode == 143, outs[rank]

@@ -126,6 +126,33 @@ def test_workers_with_different_ps_lists_all_fail_naming_the_task(tmp_path):
 
 
 @pytest.mark.cluster
+@pytest.mark.timeout(START_UP + 60 + 120)
+def test_workers_given_other_worker_counts_both_fail_naming_the_counts(tmp_path):
+    """The chief's TF_CONFIG has 2 workers, worker 1's 3: the run's rendezvous on ps 0 names
+    both counts at once on both (neither waits out its timeout for a worker:2 that no chief
+    counts, nor for a chief that did start)."""
+    config = TFConfig.local(workers=3, ps=1)
+    ps_list, worker_list = list(config.addresses("ps")), list(config.addresses("worker"))
+    views = [
+        TFConfig.from_dict({"cluster": {"worker": worker_list[: 2 + i], "ps": ps_list}})
+        for i in range(2)
+    ]
+    ps, workers = _start(config, views, str(tmp_path), "cluster", "60")
+    try:
+        results = _outputs(workers, START_UP + 60)
+    finally:
+        _stop(ps + workers)
+    message = (
+        "tfstrat: worker:1 has 3 chief and worker task(s) in its TF_CONFIG cluster; worker:0 "
+        "(the chief) has 2."
+    )
+    for code, out, took in results:
+        assert code != 0 and "AgreementError" in out, out[-3000:]
+        assert message in out, out[-3000:]
+        assert took < START_UP + 30, took  # not the 60 s timeout
+
+
+@pytest.mark.cluster
 @pytest.mark.timeout(400)
 def test_a_batch_smaller_than_the_workers_and_empty_input_are_refused(tmp_path):
     code, log = launch_script("faults_ps_run.py", str(tmp_path), "input", workers=2, ps=1)

@@ -218,11 +218,10 @@ class LaunchConfig:
                 f"Received: min_nodes={self.min_nodes} for {len(self.nodes.plan)} nodes. Use "
                 f"1..{len(self.nodes.plan)}."
             )
-        if self.restarts and self.nodes.plan[self.nodes.rank].port < 2:
-            raise UsageError(
-                "Received: port 1 with restarts. A node's rendezvous listens on the port below "
-                "its first task's: give --port 2 or more."
-            )
+        if self.restarts:
+            from tfstrat.launcher.rendezvous import check_ports
+
+            check_ports(self.nodes)  # each node's rendezvous: its first port - 1
         if self.private_network:
             raise UsageError(
                 "Received: private_network=True with nodes. A private network holds one "
@@ -491,7 +490,8 @@ class _Attempt:
                 self.others.close()
 
     def _check(self, deadline: float | None) -> _Outcome | None:
-        if self.abort is not None and self.abort.is_set():
+        trained = all(t.poll() == 0 for t in self.train)
+        if self.abort is not None and self.abort.is_set() and not trained:
             return self._stop_for_rendezvous()
         for task in self.everyone:
             code = task.poll()
@@ -501,7 +501,7 @@ class _Attempt:
         missing = self._never_came_up()
         if missing:
             return self._give_up(missing)
-        if all(t.poll() == 0 for t in self.train) and self._others_ended():
+        if trained and self._others_ended():
             _tasks.stop(self.ps, self.config.grace)
             _tasks.stop(self.train, 0)  # nothing left to stop: waits for their last output
             return _Outcome(0)
@@ -679,27 +679,30 @@ def _node_attempts(
 
     nodes = config.nodes
     say = lambda line: (out.write(f"tfstrat launch: {nodes.node.where}: {line}\n"), out.flush())  # noqa: E731
-    rendezvous = Rendezvous(
-        nodes,
-        base,
-        min_nodes=config.min_nodes,
-        restarts=config.restarts,
-        first_window=config.peer_timeout,
-        window=config.rejoin_window,
-        backup_dir=config.backup_dir,
-        say=say,
-    )
+    try:
+        rendezvous = Rendezvous(
+            nodes,
+            base,
+            min_nodes=config.min_nodes,
+            restarts=config.restarts,
+            first_window=config.peer_timeout,
+            window=config.rejoin_window,
+            backup_dir=config.backup_dir,
+        )
+    except UsageError as e:
+        say(str(e))
+        return 1
     why, cause, code = "start", "", 1
     try:
         while True:
             result = rendezvous.join(why, cause, code)
             if "stop" in result:
                 say(f"not restarting: {result['stop']}.")
-                return int(result["code"])
+                # A failed attempt keeps its code even when the job ended well elsewhere.
+                return int(result["code"]) or (code if why == "failure" else 0)
             n, ranks = int(result["round"]), list(result["ranks"])
             if nodes.rank not in ranks:  # decided without this node: join the next one
                 continue
-            layout = nodes.among(ranks)
             hosts = ", ".join(nodes.plan[r].where for r in ranks)
             if n:
                 say(
@@ -709,33 +712,44 @@ def _node_attempts(
                 )
             else:
                 say(f"attempt 0 on {len(ranks)} node(s): {hosts}")
-            attempt_config = _for_layout(config, layout)
-            _say_layout(attempt_config, out, nodes.node.where)
-            cluster = layout.tf_config()
-            secret = None if base is None else _secret.derive(base, n, cluster.to_dict()["cluster"])
-            rendezvous.started(n, ranks)
-            attempt = _Attempt(attempt_config, cluster, out, n, n, secret, abort=rendezvous.abort)
-            try:
-                outcome = attempt.run(deadline)
-            finally:
-                rendezvous.stopped()
-            if outcome.stopped is not None:
+            outcome = _node_attempt(config, out, deadline, base, rendezvous, n, ranks)
+            if outcome.stopped is not None:  # another node gathers the next attempt
                 why, cause, code = rendezvous.abort_why, rendezvous.abort_cause, 1
                 continue
-            if outcome.failure is None:  # done (0) or timed out (124): no restart
+            if outcome.failure is not None and rendezvous.superseded():
+                why, cause, code = "restart", rendezvous.abort_cause, 1  # stopped with the others
+                continue
+            if outcome.failure is None or outcome.failure.code in USAGE_EXIT_CODES:
+                # Done (0), timed out (124), a ps-only node that gave up (1), a usage error:
+                # no restart, and the other nodes must not restart without this one.
                 if outcome.code == 0:
                     rendezvous.finished()
-                return outcome.code
-            if rendezvous.superseded():  # stopped with the others for a newer attempt
-                why, cause, code = "restart", rendezvous.abort_cause, 1
-                continue
-            if outcome.failure.code in USAGE_EXIT_CODES:
-                say(f"not restarting: {_no_restart_reason(outcome.failure, 0, 1)}.")
+                else:
+                    rendezvous.end(outcome.code, f"{nodes.node.where} stopped with exit code "
+                                   f"{outcome.code}")  # fmt: skip
+                if outcome.failure is not None:
+                    say(f"not restarting: {_no_restart_reason(outcome.failure, 0, 1)}.")
                 return outcome.code
             why, code = "failure", outcome.failure.code
             cause = outcome.failure.summary().rstrip(": ")
     finally:
         rendezvous.close()
+
+
+def _node_attempt(config, out, deadline, base, rendezvous, n: int, ranks: list[int]) -> _Outcome:
+    """Attempt `n` of this node, on the nodes `ranks` (numbered anew, `NodeLayout.among`)."""
+    layout = config.nodes.among(ranks)
+    attempt_config = _for_layout(config, layout)
+    _say_layout(attempt_config, out, config.nodes.node.where)
+    cluster = layout.tf_config()
+    secret = None if base is None else _secret.derive(base, n, cluster.to_dict()["cluster"])
+    rendezvous.started(n, ranks)
+    try:
+        return _Attempt(attempt_config, cluster, out, n, n, secret, abort=rendezvous.abort).run(
+            deadline
+        )
+    finally:
+        rendezvous.stopped()
 
 
 def _for_layout(config: LaunchConfig, layout: NodeLayout) -> LaunchConfig:

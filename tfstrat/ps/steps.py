@@ -26,10 +26,13 @@ in a loop, and no step graph holds a loop across devices.
     begin_run(group, run, workers, ms) -> [ready, joined mask...]: the chief, as its strategy
                                           starts: a new `run` (16 random bytes) drops the
                                           group's step state; ready once every other
-                                          worker joined after that
-    join_run(group, worker, nonce, ms) -> [ready, run...]: another worker, as its strategy
+                                          worker joined after that. [-1, worker, its
+                                          count]: a worker counts other workers
+    join_run(group, worker, nonce, workers, ms)
+                                       -> [ready, run...]: another worker, as its strategy
                                           starts; ready once the chief's run counted this
-                                          call's `nonce`, with that run's id
+                                          call's `nonce`, with that run's id. [-1, the
+                                          chief's count]: `workers` differs
 
 A wait answers after at most `WAIT_MS` even when not ready, so the worker checks its own
 deadline between calls (`Client` raises, naming the step and the workers). A group is one
@@ -79,6 +82,9 @@ class _Run:
         self.run = b""  # the chief's current run, or b"" before its first
         self.joined: dict[int, bytes] = {}  # worker -> the nonce of its join, since `run` began
         self.members: dict[int, bytes] | None = None  # the joins the chief's run counted
+        self.workers = 0  # the chief's count of workers
+        self.counts: dict[int, int] = {}  # each joiner's count, since `run` began
+        self.refused: set[int] = set()  # joiners whose count is not the chief's
 
 
 class Steps:
@@ -108,25 +114,34 @@ class Steps:
                         old.mailed,
                         old.fits,
                     )
-                r.run, r.joined, r.members = run, {}, None
+                r.run, r.joined, r.members, r.workers = run, {}, None, workers
+                r.counts, r.refused = {}, set()
                 self.changed.notify_all()
             others = range(1, workers)
-            joined = lambda: all(w in r.joined for w in others)  # noqa: E731
+            other = lambda: [(w, c) for w, c in r.counts.items() if c != workers]  # noqa: E731
+            joined = lambda: other() or all(w in r.joined for w in others)  # noqa: E731
             ready = self.changed.wait_for(joined, _seconds(ms))
+            if other():  # a worker given another cluster: named at once, not timed out
+                r.refused |= {w for w, _ in other()}
+                self.changed.notify_all()
+                return np.array([-1, *other()[0], *[0] * max(0, workers - 3)], np.int64)
             if ready and r.members is None:
                 r.members = dict(r.joined)
                 self.changed.notify_all()
             return np.array([ready, *(w in r.joined for w in others)], np.int64)
 
-    def join_run(self, group, worker, nonce, ms):
+    def join_run(self, group, worker, nonce, workers, ms):
         w, nonce = int(worker), _id(nonce)
         with self.changed:
             r = self.runs.setdefault(int(group), _Run())
             counted = lambda: r.members is not None and r.members.get(w) == nonce  # noqa: E731
-            if not counted() and r.joined.get(w) != nonce:
-                r.joined[w] = nonce
+            if not counted() and (r.joined.get(w) != nonce or r.counts.get(w) != int(workers)):
+                r.joined[w], r.counts[w] = nonce, int(workers)
                 self.changed.notify_all()
-            ready = self.changed.wait_for(counted, _seconds(ms))
+            self.changed.wait_for(lambda: counted() or w in r.refused, _seconds(ms))
+            if w in r.refused:
+                return np.array([-1, r.workers, *[0] * 15], np.int64)
+            ready = counted()
             return np.array([ready, *(r.run if ready else bytes(16))], np.int64)
 
     def _group(self, group) -> _Group:
@@ -216,6 +231,16 @@ class Steps:
             return np.int64(0)
 
 
+def _other_cluster(worker: str, count: int, chief: str, chief_count: int):
+    from tfstrat.errors import AgreementError
+
+    return AgreementError(
+        f"tfstrat: {worker} has {count} chief and worker task(s) in its TF_CONFIG cluster; "
+        f"{chief} has {chief_count}. Give every task the same TF_CONFIG cluster "
+        "(only 'task' differs)."
+    )
+
+
 def _id(value) -> bytes:
     value = np.asarray(value)
     if value.dtype != np.uint8 or value.shape != (16,):
@@ -302,8 +327,11 @@ class Client:
         import os
 
         mine = np.frombuffer(os.urandom(16), np.uint8)
+        named = lambda w: names[w] if w < len(names) else f"worker:{w}"  # noqa: E731
         if self.worker == 0:
             out = self._until(lambda ms: self.call("begin_run", mine, workers, ms), None, 0)
+            if out[0] == -1:
+                raise _other_cluster(named(int(out[1])), int(out[2]), names[0], workers)
             if out[0]:
                 return mine.tobytes()
             missing = [names[w] for w, joined in enumerate(out[1:], 1) if not joined]
@@ -312,12 +340,15 @@ class Client:
                 f"{', '.join(missing)} to start (a run begins when every worker has). Start "
                 "every worker of TF_CONFIG's cluster; see their logs."
             )
-        out = self._until(lambda ms: self.call("join_run", self.worker, mine, ms), None, 0)
+        call = lambda ms: self.call("join_run", self.worker, mine, workers, ms)  # noqa: E731
+        out = self._until(call, None, 0)
+        if out[0] == -1:
+            raise _other_cluster(named(self.worker), workers, names[0], int(out[1]))
         if out[0]:
             return out[1:].astype(np.uint8).tobytes()
         raise TimeoutError(
             f"tfstrat ParameterServer: {names[self.worker]} waited {self.timeout:g} s on ps:0 "
-            f"for {names[0]} (the chief) to start the run. Start it; see its log."
+            f"for {names[0]} to start the run. Start it; see its log."
         )
 
     def _until(self, call, why, step, skip: int = 2):
