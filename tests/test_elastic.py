@@ -10,8 +10,9 @@ also bounds the seconds from the kill to the first step trained again.
 
 Cases: CollectiveAllReduce losing node 1, whose launcher is then started again, so the job
 grows back to three nodes at once; CollectiveAllReduce losing node 0 (the chief, and the
-rendezvous host); Hybrid with ps:0 on node 0 losing node 0 (ps:0 moves to the first node left,
-its table restored from the backup); Hybrid losing node 2. Needs root (skipped otherwise).
+rendezvous host); Hybrid with ps:0 on node 0 losing node 0 (the chief, the host and the ps:
+ps:0 moves to the first node left, its table restored from the backup). Needs root (skipped
+otherwise).
 """
 
 from __future__ import annotations
@@ -120,7 +121,6 @@ CASES = {
     "collective-node1-and-back": ("collective", None, 1, True),
     "collective-node0": ("collective", None, 0, False),
     "hybrid-node0-with-the-ps": ("hybrid", "1,0,0", 0, False),
-    "hybrid-node2": ("hybrid", "1,0,0", 2, False),
 }
 
 

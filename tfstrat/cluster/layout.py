@@ -88,7 +88,7 @@ class NodeLayout:
 
         Example:
             >>> layout = NodeLayout("a,b,c", rank=2, ps_per_node="1,0,0", port=2222)
-            >>> layout.among([1, 2]).tf_config().cluster
+            >>> dict(layout.among([1, 2]).tf_config().cluster)
             {'worker': ('b:2222', 'c:2222'), 'ps': ('b:2224',)}
         """
         ranks = sorted(set(ranks))
