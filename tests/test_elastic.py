@@ -41,15 +41,7 @@ STEP = re.compile(r"elastic: epoch (\d+) batch (\d+) restart (\d+) workers (\d+)
 
 @pytest.fixture(scope="module")
 def net():
-    network = netns.Network(3)
-    try:
-        network.__enter__()
-    except netns.Unavailable as e:
-        netns.skip_or_fail(str(e))
-    try:
-        yield network
-    finally:
-        network.close()
+    yield from netns.module_network(3)
 
 
 def _launch(net, rank: int, out, kind: str, ps: str | None, name: str):

@@ -101,54 +101,36 @@ def test_workers_that_build_different_models_all_fail_naming_the_variable(tmp_pa
 
 @pytest.mark.cluster
 @pytest.mark.timeout(START_UP + 60 + 120)
-def test_workers_with_different_ps_lists_all_fail_naming_the_task(tmp_path):
-    config = TFConfig.local(workers=2, ps=2)
+@pytest.mark.parametrize("case", ["ps", "workers"])
+def test_workers_given_different_clusters_all_fail_naming_the_difference(tmp_path, case):
+    """ps: the chief knows ps 0 only, worker 1 both ps tasks (named by the start-up
+    agreement). workers: the chief's TF_CONFIG has 2 workers, worker 1's 3; the run's
+    rendezvous on ps 0 names both counts at once on both, instead of each waiting out its
+    timeout (for a worker:2 no chief counts, for a chief that did start)."""
+    config = TFConfig.local(workers=3 if case == "workers" else 2, ps=2 if case == "ps" else 1)
     ps_list, worker_list = list(config.addresses("ps")), list(config.addresses("worker"))
-    # The chief knows ps 0 only; worker 1 both ps tasks.
-    views = [
-        TFConfig.from_dict({"cluster": {"worker": worker_list, "ps": ps_list[: i + 1]}})
-        for i in range(2)
-    ]
+    if case == "ps":
+        clusters = [{"worker": worker_list, "ps": ps_list[: i + 1]} for i in range(2)]
+        message = (
+            f"tfstrat: worker:1 has ps {ps_list} in its TF_CONFIG cluster; worker:0 (the "
+            f"chief) has {ps_list[:1]}."
+        )
+    else:
+        clusters = [{"worker": worker_list[: 2 + i], "ps": ps_list} for i in range(2)]
+        message = (
+            "tfstrat: worker:1 has 3 chief and worker task(s) in its TF_CONFIG cluster; "
+            "worker:0 (the chief) has 2."
+        )
+    views = [TFConfig.from_dict({"cluster": c}) for c in clusters]
     ps, workers = _start(config, views, str(tmp_path), "cluster", "60")
     try:
         results = _outputs(workers, START_UP + 60)
     finally:
         _stop(ps + workers)
-    message = (
-        f"tfstrat: worker:1 has ps {ps_list} in its TF_CONFIG cluster; worker:0 (the chief) "
-        f"has {ps_list[:1]}."
-    )
-    for code, out, took in results:
-        assert code != 0, out[-3000:]
-        assert message in out, out[-3000:]
-        assert "training finished" not in out
-        assert took < START_UP + 60, took
-
-
-@pytest.mark.cluster
-@pytest.mark.timeout(START_UP + 60 + 120)
-def test_workers_given_other_worker_counts_both_fail_naming_the_counts(tmp_path):
-    """The chief's TF_CONFIG has 2 workers, worker 1's 3: the run's rendezvous on ps 0 names
-    both counts at once on both (neither waits out its timeout for a worker:2 that no chief
-    counts, nor for a chief that did start)."""
-    config = TFConfig.local(workers=3, ps=1)
-    ps_list, worker_list = list(config.addresses("ps")), list(config.addresses("worker"))
-    views = [
-        TFConfig.from_dict({"cluster": {"worker": worker_list[: 2 + i], "ps": ps_list}})
-        for i in range(2)
-    ]
-    ps, workers = _start(config, views, str(tmp_path), "cluster", "60")
-    try:
-        results = _outputs(workers, START_UP + 60)
-    finally:
-        _stop(ps + workers)
-    message = (
-        "tfstrat: worker:1 has 3 chief and worker task(s) in its TF_CONFIG cluster; worker:0 "
-        "(the chief) has 2."
-    )
     for code, out, took in results:
         assert code != 0 and "AgreementError" in out, out[-3000:]
         assert message in out, out[-3000:]
+        assert "training finished" not in out
         assert took < START_UP + 30, took  # not the 60 s timeout
 
 

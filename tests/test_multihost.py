@@ -39,15 +39,7 @@ APART = {"TFSTRAT_RING_SHARED_MEMORY": "0"}
 @pytest.fixture(scope="module")
 def net():
     """Three hosts for the whole module (building them takes ~1 s, but fewer is tidier)."""
-    network = netns.Network(HOSTS)
-    try:
-        network.__enter__()
-    except netns.Unavailable as e:
-        netns.skip_or_fail(str(e))
-    try:
-        yield network
-    finally:
-        network.close()
+    yield from netns.module_network(HOSTS)
 
 
 @pytest.fixture(scope="module")

@@ -39,6 +39,19 @@ IP = shutil.which("ip") or "/usr/sbin/ip"
 _OURS = re.compile(r"^tfs(\d+)[a-z]?(s|h\d+)$")  # prefix tfs<pid>, optional letter
 
 
+def module_network(hosts: int):
+    """The body of a module-scoped pytest fixture (`yield from module_network(3)`): a Network
+    of `hosts`, skipped where it cannot be built (a failure in CI as root), closed after."""
+    try:
+        network = Network(hosts).__enter__()
+    except Unavailable as e:
+        skip_or_fail(str(e))
+    try:
+        yield network
+    finally:
+        network.close()
+
+
 class Unavailable(RuntimeError):
     """This machine cannot build the network (not root, no `ip netns`, no iptables); the
     message says why, for `skip_or_fail`."""

@@ -4,7 +4,7 @@ of the final weights and the gradients this worker saw dropped.
 
 - hybrid: worker 1 exits at the start of step 3, after worker 0 has pushed that step's rows
   (worker 0 then fails on the ring), so the ps holds a failed step's push. The table starts
-  from the ps's own draw, the rest from the seed.
+  from the ps's own draw, the rest from `keras.utils.set_random_seed(0)`.
 - ps: the chief exits at the start of step 3; the test kills worker 1 once it has mailed that
   step, so ps 0 holds a failed step's mail. Variables stay on a ps between runs (as in TF1),
   so `train` sets every weight before it trains, and uses SGD (no optimizer slots to carry).
