@@ -491,7 +491,8 @@ class _Attempt:
 
     def _check(self, deadline: float | None) -> _Outcome | None:
         trained = all(t.poll() == 0 for t in self.train)
-        if self.abort is not None and self.abort.is_set() and not trained:
+        # A node of only ps tasks has nothing trained: it stops for the next attempt too.
+        if self.abort is not None and self.abort.is_set() and not (self.train and trained):
             return self._stop_for_rendezvous()
         for task in self.everyone:
             code = task.poll()
@@ -692,6 +693,13 @@ def _node_attempts(
     except UsageError as e:
         say(str(e))
         return 1
+    count = len(nodes.plan)
+    if config.min_nodes <= count // 2:
+        say(
+            f"--min-nodes {config.min_nodes} is at most half of the {count} nodes: if the "
+            "network between them splits, each half can go on alone and write the same "
+            f"backup. --min-nodes {count // 2 + 1} rules that out."
+        )
     why, cause, code = "start", "", 1
     try:
         while True:

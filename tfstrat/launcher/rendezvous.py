@@ -52,6 +52,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 
 from tfstrat.cluster import ports as _ports
 from tfstrat.cluster import secret as _secret
@@ -125,6 +126,7 @@ class Rendezvous:
         # This node's own state (`hello`).
         self.round, self.used, self.running = -1, 0, False
         self._ranks: list[int] = []  # the nodes of the attempt this node runs or ran last
+        self._chief = -1  # of those, the chief's node
         self._done: set[int] = set()  # those that finished it (exit 0)
         self._finished = False  # this node's tasks finished: it joins no more
         self.abort = threading.Event()  # set: stop the running attempt
@@ -134,6 +136,7 @@ class Rendezvous:
         # The host's side: the round it gathers, and the last it decided.
         self._gathering: _Gathering | None = None
         self._decided = -1
+        self._final: dict | None = None  # a stop this host decided
         self._gather_lock = threading.Condition()
         self._answering = 0  # requests being answered (`close` lets them finish)
         self._answering_lock = threading.Condition()
@@ -208,6 +211,11 @@ class Rendezvous:
         with self._lock:
             self.running = True
             self._ranks, self._done = list(ranks), set()
+            # The chief's node: the first of the attempt with a worker (not a ps-only node).
+            with_workers = [
+                r for r in ranks if any(j != "ps" for j, _, _ in self.layout.plan[r].tasks)
+            ]
+            self._chief = with_workers[0] if with_workers else -1
             self.abort.clear()
             if self._wanted > round_:
                 self._stop_attempt("a newer attempt is being gathered", "restart")
@@ -229,7 +237,7 @@ class Rendezvous:
         """This node's tasks of the running attempt are done (exit 0): the other nodes stop
         watching it; on the chief's node, the job has ended."""
         self._finished = True
-        if self._ranks and self._ranks[0] == self.rank:
+        if self._chief == self.rank:
             self.end(0, f"the chief's node, {self.where}, finished the training")
         for rank in self._ranks:
             if rank != self.rank:
@@ -241,11 +249,11 @@ class Rendezvous:
     def end(self, code: int, reason: str) -> None:
         """Records in the backup directory that the job ended: launchers that join later
         stop instead of training on (nothing without a job secret, which names the job)."""
-        if self._end_path is None:
+        if self._end_path is None or os.path.exists(self._end_path):  # the first end stands
             return
         try:
             os.makedirs(os.path.dirname(self._end_path), exist_ok=True)
-            tmp = f"{self._end_path}.{os.getpid()}.tmp"
+            tmp = f"{self._end_path}.{uuid.uuid4().hex}.tmp"
             with open(tmp, "w") as f:
                 json.dump({"code": code, "reason": reason}, f)
             os.replace(tmp, self._end_path)
@@ -296,7 +304,7 @@ class Rendezvous:
         return self.rank
 
     def _chief_done(self) -> bool:
-        return bool(self._ranks) and self._ranks[0] in self._done
+        return self._chief in self._done
 
     def _watch(self, round_: int, rank: int) -> None:
         missed = 0
@@ -401,6 +409,8 @@ class Rendezvous:
         return None
 
     def _host_join(self, message: dict) -> dict:
+        if self._final is not None:  # the job ended here: a late joiner does not go on alone
+            return self._final
         lower = self._lower_answering()
         if lower is not None:
             return {"redirect": lower}
@@ -447,8 +457,12 @@ class Rendezvous:
         result = self._verdict(joined, number, used, last, window)
         if "round" in result:
             self._decided = number
-        elif result.get("code") != 2:  # a directory that is not shared holds no record
-            self.end(int(result["code"]), result["stop"])
+        elif "stop" in result:
+            self._final = result
+            # Not recorded: a directory that is not shared, and no node with workers left
+            # (starting them again is the fix).
+            if not result.pop("passing", False) and result["code"] != 2:
+                self.end(int(result["code"]), result["stop"])
         return result
 
     def _wait_for_joiners(
@@ -517,7 +531,7 @@ class Rendezvous:
         try:  # seen from a node of the round (this one may not be in it)
             dataclasses.replace(self.layout, rank=ranks[0]).among(ranks)
         except TFConfigError as e:
-            return {"stop": str(e), "code": code}
+            return {"stop": str(e), "code": code, "passing": True}
         return {"round": number, "ranks": ranks, "restarts": used, "cause": cause}
 
     def _cause(self, joined: dict[int, dict], last: int) -> str:

@@ -137,6 +137,7 @@ class Steps:
             counted = lambda: r.members is not None and r.members.get(w) == nonce  # noqa: E731
             if not counted() and (r.joined.get(w) != nonce or r.counts.get(w) != int(workers)):
                 r.joined[w], r.counts[w] = nonce, int(workers)
+                r.refused.discard(w)
                 self.changed.notify_all()
             self.changed.wait_for(lambda: counted() or w in r.refused, _seconds(ms))
             if w in r.refused:
