@@ -90,8 +90,10 @@ class _Run:
 class Steps:
     """Every group's state, behind one lock and condition (`Registry` serves the methods)."""
 
-    METHODS = ("open", "mail", "wait_mailed", "publish", "wait_applied", "fit_done", "begin_run")
-    METHODS += ("join_run",)
+    METHODS = (
+        "open", "mail", "wait_mailed", "publish", "wait_applied", "fit_done", "begin_run",
+        "join_run",
+    )  # fmt: skip
 
     def __init__(self):
         self.groups: dict[int, _Group] = {}
