@@ -124,3 +124,30 @@ def test_which_tables_stay_mirrored_and_why():
     assert why([]) == "sparse=[] does not name it"
     assert why("auto", regularizer="l2") == "embeddings_regularizer=L2 gives every row a gradient"
     assert why("auto", ps=()) == "no ps tasks in TF_CONFIG"
+
+
+@pytest.mark.cluster
+def test_kerass_weight_apis_see_ps_held_tables_as_one_device_does(tmp_path):
+    """`weights`, `get_weights`, `set_weights`, `count_params`, `summary`, a table layer's
+    `get_weights` and `embeddings`, and the optimizer's variables (the table's Adagrad
+    accumulator) on both workers, for a plain Keras model and keras-hub's BERT whose tables
+    are on the ps: as on one device. The weights are set to values unlike the initializer's
+    before `fit`, so equal final weights mean training started from them."""
+    run_script("hybrid_weights_api.py", str(tmp_path), "--reference")
+    code, log = launch_script("hybrid_weights_api.py", str(tmp_path), workers=2, ps=1)
+    assert code == 0, log[-6000:]
+    for model in ("plain", "bert"):  # the tables are on the ps, said in the start-up lines
+        table = "emb (50 x 4" if model == "plain" else "token_embedding (60 x 16"
+        assert re.search(rf"Hybrid table {re.escape(table)}, [\w.]+\): on ps 0", log), log[-3000:]
+    ref = json.loads((tmp_path / "reference.json").read_text())
+    ref_arrays = np.load(tmp_path / "reference.npz")
+    for worker in ("worker_0", "worker_1"):
+        mine = json.loads((tmp_path / f"{worker}.json").read_text())
+        arrays = np.load(tmp_path / f"{worker}.npz")
+        assert mine == ref, (worker, mine, ref)  # paths, shapes, counts, summary, set-then-get
+        assert sorted(arrays.files) == sorted(ref_arrays.files)
+        for key in ref_arrays.files:
+            got, want = arrays[key], ref_arrays[key]
+            assert got.shape == want.shape, (worker, key, got.shape, want.shape)
+            (err,) = relative_errors([got], [want])
+            assert err <= TOLERANCE, (worker, key, err)

@@ -32,9 +32,9 @@ def build_model():
     return keras.Model(inputs, keras.layers.Dense(CLASSES)(x))
 
 
-def optimizer(name: str, densify: bool = False, **kw):
+def optimizer(kind: str, /, densify: bool = False, **kw):
     """`sgdm` (SGD with momentum), `adam`, `sgd` or `adagrad`; `densify=True` for the
-    single-device reference."""
+    single-device reference; `kw` go to the optimizer (`name=` too)."""
     import keras
     import tensorflow as tf
 
@@ -43,14 +43,14 @@ def optimizer(name: str, densify: bool = False, **kw):
         "adam": keras.optimizers.Adam,
         "sgd": keras.optimizers.SGD,
         "adagrad": keras.optimizers.Adagrad,
-    }[name]
+    }[kind]
     args = {
         "sgdm": dict(learning_rate=0.05, momentum=0.9),
         "adam": dict(learning_rate=0.01),
         "sgd": dict(learning_rate=0.1),
         "adagrad": dict(learning_rate=0.1),
     }
-    args = {**args[name], **kw}
+    args = {**args[kind], **kw}
     if not densify:
         return cls(**args)
 

@@ -57,18 +57,9 @@ def mlp(outputs: int = CLASSES, name: str | None = None):
 
 
 def result(model, metrics: dict) -> dict:
-    """The model's weights (a table Hybrid holds on the ps read whole from there, where its
-    stand-in "anchor" weight is), the metrics, and where each embedding table lives."""
-    tables = {}  # anchor weight -> its layer
-    for layer in model._flatten_layers():
-        anchor = getattr(layer, "_anchor", None)
-        if anchor is not None:
-            tables[id(anchor)] = layer
-    weights = [
-        np.asarray(tables[id(v)].embeddings) if id(v) in tables else v.numpy()
-        for v in model.weights
-        if "seed_generator" not in v.path
-    ]
+    """The model's weights (a table Hybrid holds on the ps read whole from there, as its
+    weight's `numpy()` does), the metrics, and where each embedding table lives."""
+    weights = [v.numpy() for v in model.weights if "seed_generator" not in v.path]
     return {
         "weights": weights,
         "metrics": {k: float(np.mean(v)) for k, v in metrics.items()},
@@ -81,7 +72,9 @@ def placement(model) -> dict:
     paths and shapes of every variable the worker holds ("variables")."""
     import keras
 
-    out = {"variables": {v.path: list(v.shape) for v in model.weights}}
+    # A ps-held table's weight is a scalar stand-in on the worker (it shows the table).
+    held_here = [v for v in model.weights if not hasattr(v, "_tfstrat_table")]
+    out = {"variables": {v.path: list(v.shape) for v in held_here}}
     for layer in model._flatten_layers():
         if isinstance(layer, keras.layers.Embedding):
             held = getattr(layer._embeddings, "remote", None)  # a ps-held table (PsTable)

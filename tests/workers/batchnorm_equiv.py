@@ -82,8 +82,8 @@ def train(scope, synchronized: bool, steps: int = 2 * STEPS):
 
 
 def weights(model) -> dict:
-    # Hybrid's ps-held tables are read from the ps whole (layer.embeddings).
-    out = {v.path: v.numpy() for v in model.weights if "anchor" not in v.path}
+    # Hybrid's ps-held tables are read from the ps whole (a weight's numpy(), layer.embeddings).
+    out = {v.path: v.numpy() for v in model.weights}
     for name in ("table", "movie_bias"):
         out[f"{name}/embeddings"] = np.asarray(model.get_layer(name).embeddings)
     return out

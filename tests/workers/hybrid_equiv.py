@@ -105,7 +105,10 @@ if args.reference:
 else:
     report["placement"] = strategy.placement()
     report["dense_devices"] = {
-        w.path: w.value.device for w in model.weights if "anchor" not in w.path
+        # a ps-held table's weight is a stand-in on the worker that shows the table
+        w.path: w.value.device
+        for w in model.weights
+        if not hasattr(w, "_tfstrat_table")
     }
     with open(os.path.join(args.out, f"{task}.json"), "w") as f:
         json.dump(report, f, indent=1)

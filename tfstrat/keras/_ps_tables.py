@@ -10,21 +10,24 @@ its gradient has a term for every row). The worker holds no copy:
 - the layer's `_embeddings` is a `PsTable`, which reads and writes the whole table on the ps
   (`numpy()`, `assign()`: what saving and loading use, so files load into plain Keras);
 - its lookup (`call`) fetches the batch's rows; the rows' gradient is pushed to the ps through a
-  scalar "anchor" weight (`tfstrat.ps.remote.RemoteTable.lookup`);
+  scalar "anchor" weight (`tfstrat.ps.remote.RemoteTable.lookup`), which Keras's weight APIs
+  (`get_weights`, `set_weights`, `weights`, `count_params`) see as the table itself
+  (`tfstrat.keras._ps_weights.TableWeight`);
 - a read of the whole table inside a traced function (a tied output projection such as
   keras-hub's `ReversibleEmbedding(tie_weights=True)` with `reverse=True`, GPT-2's logits) means
   a dense gradient: met while Keras builds the model symbolically, the table comes back to the
   workers, mirrored, with the values the ps held, and Hybrid's start-up line says why; met only
   in a training step (a custom `train_step`), it is an error that names the layer and the fix.
 
-The table's optimizer slots live on the ps too. A model's file holds them twice: beside the
-layer (`table_slots`, which weights-only checkpoints carry) and in the optimizer's variables,
-where the anchor's slots are written as the whole table's (so `model.save` gives a file plain
-Keras's `load_model` takes, optimizer included, and loading one writes them back to the ps).
+The table's optimizer slots live on the ps too; the optimizer's variables for them are
+`_ps_weights.SlotWeight`s, which show (and save, and load) the whole slots. A model's file holds
+them twice: in the optimizer's variables, and beside the layer (`table_slots`, which
+weights-only checkpoints carry). So `model.save` gives a file plain Keras's `load_model` takes,
+optimizer included, and loading one writes them back to the ps.
 
 `install()` patches `keras.layers.Embedding.build` and `.call`, and the optimizers'
-`save_own_variables` and `load_own_variables` (`tfstrat._compat.patches`); Hybrid installs them
-when it has ps tasks. A layer built under any other strategy is untouched.
+`add_variable_from_reference` (`tfstrat._compat.patches`); Hybrid installs them when it has ps
+tasks. A layer built under any other strategy is untouched.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import tensorflow as tf
 from tfstrat._compat import patches
 from tfstrat._compat.keras import BaseOptimizer, KerasSaveable, in_symbolic_scope
 from tfstrat.errors import UsageError
+from tfstrat.keras._ps_weights import TableWeight, slot_for
 
 logger = logging.getLogger(__name__)
 
@@ -181,14 +185,18 @@ def build(layer) -> bool:
     if table is None:
         return False
     layer._tfstrat_strategy = strategy
-    # The worker holds no copy of the table: a scalar stands in for it in Keras's gradient,
-    # and its gradient is what pushes the rows' gradient to the ps. Its name contains
-    # "embeddings", so excluding the table from weight decay by name excludes it too.
-    layer._anchor = layer.add_weight(
-        shape=(), initializer="zeros", name="embeddings_anchor", trainable=True
-    )
     table.read_step = lambda: _steps_done(strategy)
     layer._embeddings = PsTable(layer, table, strategy)
+    # The worker holds no copy of the table: a scalar stands in for it in Keras's gradient,
+    # and its gradient is what pushes the rows' gradient to the ps. To Keras's weight APIs it
+    # is the table (`_ps_weights`), named as the table would be, so excluding the table from
+    # weight decay by name excludes it too.
+    import keras
+
+    with keras.name_scope(layer.name, caller=layer):
+        anchor = TableWeight(layer._embeddings, trainable=True, name="embeddings")
+    layer._track_variable(anchor)  # as add_weight does (before the attribute: tracked once)
+    layer._anchor = anchor
     layer._anchor._tfstrat_table = layer._embeddings  # its optimizer slots are the table's
     layer.table_slots = TableSlots(table, strategy)
     layer.built = True
@@ -295,75 +303,14 @@ def refuse_settings(layer, optimizer) -> None:
         )
 
 
-def _held_slots(optimizer) -> dict[int, tuple[PsTable, str]]:
-    """{position in optimizer.variables: (ps-held table, slot name)} of the anchors' slots."""
-    from tfstrat.keras._rowwise import _SLOT_LISTS, _slot_list
-
-    found = {}
-    for i, variable in enumerate(getattr(optimizer, "_trainable_variables", [])):
-        held = getattr(variable, "_tfstrat_table", None)
-        if held is None or not isinstance(held.layer._embeddings, PsTable):
-            continue
-        for name in _SLOT_LISTS:
-            try:
-                slot = _slot_list(optimizer, name)[i]
-            except (AttributeError, IndexError):
-                continue
-            if slot is not None:
-                found[id(slot)] = (held, name)
-    return {k: found[id(v)] for k, v in enumerate(optimizer.variables) if id(v) in found}
-
-
-def _save_optimizer(keras_save):
-    def save_own_variables(self, store):
-        held = _held_slots(self)
-        if not held:
-            return keras_save(self, store)
-        fills = slot_fills(self)
-        read: dict[int, dict] = {}  # each table's slots, read once
-        for i, variable in enumerate(self.variables):
-            if i in held:  # the whole table's slot, as a mirrored table's would be
-                table, name = held[i]
-                if id(table) not in read:
-                    read[id(table)] = table.remote.slots(fills)
-                slots = read[id(table)]
-                store[str(i)] = slots.get(name, np.full(table.shape, fills.get(name, 0.0), "f4"))
-            else:
-                store[str(i)] = variable.numpy()
-
-    return save_own_variables
-
-
-def _load_optimizer(keras_load):
-    def load_own_variables(self, store):
-        held = _held_slots(self)
-        if not held or len(store.keys()) != len(self.variables):
-            return keras_load(self, store)  # (Keras warns about a count that differs)
-        for i, variable in enumerate(self.variables):
-            value = np.asarray(store[str(i)])
-            if i in held and value.shape == held[i][0].shape:
-                table, name = held[i]
-                table.remote.assign_slots({name: value})
-            else:
-                variable.assign(value)
-
-    return load_own_variables
-
-
 def install() -> None:
-    """Patches `keras.layers.Embedding.build` and `.call`, and the optimizers' saving (once
-    per process)."""
+    """Patches `keras.layers.Embedding.build` and `.call`, and the optimizers'
+    `add_variable_from_reference` (once per process)."""
     import keras
 
     cls = keras.layers.Embedding
     if patches.is_patched(cls, "build"):
         return
-    why = "the slots of a ps-held table are saved whole, as a mirrored table's"
-    for name, wrap in (
-        ("save_own_variables", _save_optimizer),
-        ("load_own_variables", _load_optimizer),
-    ):
-        patches.patch(BaseOptimizer, name, wrap(patches.original(BaseOptimizer, name)), why)
     keras_build = patches.original(cls, "build")
     keras_call = patches.original(cls, "call")
 
@@ -381,3 +328,14 @@ def install() -> None:
     why = "under Hybrid with ps tasks, the table lives on the ps and the lookup runs there"
     patches.patch(cls, "build", build_, why)
     patches.patch(cls, "call", call_, why)
+    keras_slot = patches.original(BaseOptimizer, "add_variable_from_reference")
+
+    def add_variable_from_reference(self, reference_variable, name=None, initializer="zeros"):
+        slot = slot_for(self, reference_variable, name, initializer)
+        if slot is None:
+            return keras_slot(self, reference_variable, name=name, initializer=initializer)
+        return slot
+
+    add_variable_from_reference.__doc__ = keras_slot.__doc__
+    why = "a ps-held table's slots show the table's slots on the ps (optimizer.variables)"
+    patches.patch(BaseOptimizer, "add_variable_from_reference", add_variable_from_reference, why)

@@ -186,29 +186,38 @@ class RemoteTable:
         for ps, number, lo, hi in self.parts:
             self._write_rows(ps, "write", [np.int64(number)], table[lo:hi])
 
-    def slots(self, fills: dict[str, float]) -> dict[str, np.ndarray]:
-        """The optimizer slots the ps tasks hold for this table, each whole (by name).
-
-        A part no push has reached yet has no slots; its rows are `fills[name]`, the value
-        the slot would start from.
-        """
+    def _slots_present(self) -> list[set[str]]:
+        """Per part, the slots its ps has made (a part no push has reached has none)."""
         present = []
         for ps, number, _, _ in self.parts:
             (ids,) = self.clients.call(ps, "slots", np.int64(number))
             present.append({SLOTS[i] for i in ids.tolist()})
-        out = {}
-        for name in SLOTS:
-            if not any(name in p for p in present):
-                continue
-            rows = []
-            for (ps, number, lo, hi), have in zip(self.parts, present):
-                if name in have:
-                    head = [np.int64(number), np.int64(SLOTS.index(name))]
-                    rows.append(self._read_rows(ps, "read_slot", head, hi - lo))
-                else:
-                    rows.append(np.full((hi - lo, self.dim), fills.get(name, 0.0), np.float32))
-            out[name] = np.concatenate(rows, axis=0)
-        return out
+        return present
+
+    def _slot(self, name: str, fill: float, present: list[set[str]]) -> np.ndarray:
+        rows = []
+        for (ps, number, lo, hi), have in zip(self.parts, present):
+            if name in have:
+                head = [np.int64(number), np.int64(SLOTS.index(name))]
+                rows.append(self._read_rows(ps, "read_slot", head, hi - lo))
+            else:
+                rows.append(np.full((hi - lo, self.dim), fill, np.float32))
+        return np.concatenate(rows, axis=0)
+
+    def slot(self, name: str, fill: float) -> np.ndarray:
+        """The optimizer slot `name` whole; `fill` in the rows of parts that have none yet
+        (the value the slot starts from)."""
+        return self._slot(name, fill, self._slots_present())
+
+    def slots(self, fills: dict[str, float]) -> dict[str, np.ndarray]:
+        """The optimizer slots the ps tasks hold for this table, each whole (by name): those
+        some part has made, `fills[name]` (default 0) in the rows of parts without it."""
+        present = self._slots_present()
+        return {
+            name: self._slot(name, fills.get(name, 0.0), present)
+            for name in SLOTS
+            if any(name in p for p in present)
+        }
 
     def assign_slots(self, slots: dict[str, np.ndarray]) -> None:
         for name, value in slots.items():
