@@ -271,6 +271,14 @@ def refuse_settings(layer, optimizer) -> None:
     if optimizer is None:
         return
     name = layer.name
+    if hasattr(optimizer, "inner_optimizer"):  # a LossScaleOptimizer (mixed_float16)
+        raise UsageError(
+            f"Received: {type(optimizer).__name__} (mixed_float16's loss scaling) with "
+            f"{name!r}, whose table Hybrid keeps on the ps tasks: the ps updates the rows of "
+            "each push as it comes, before the step's finite check, so a step the loss scaling "
+            "skips could not skip them. Use mixed_bfloat16 (no loss scaling), or keep this "
+            f"table mirrored: Hybrid(sparse=['!{name}'])."
+        )
     settings = {
         "clipnorm": optimizer.clipnorm,
         "global_clipnorm": optimizer.global_clipnorm,

@@ -114,6 +114,9 @@ class AdoptsKerasOptimizers:
         # tfstrat's process settings (`tfstrat.runtime`), before TensorFlow creates its
         # devices; in __new__ because CollectiveAllReduce's __init__ does not run the mixins'.
         runtime.apply()
+        from tfstrat.keras import _loss_scale
+
+        _loss_scale.install()  # mixed precision: every replica skips the same steps
         return super().__new__(cls)
 
     def run(self, fn, args=(), kwargs=None, options=None):

@@ -1,0 +1,73 @@
+"""Mixed precision: one replica's overflow makes every replica and worker skip the same step.
+
+tests/workers/mixed_precision.py trains a model whose row 47 overflows the first layer for the
+replica given it, with `fit` and with a custom loop, under float32 with an explicit
+LossScaleOptimizer (exact arithmetic: equal to one device to float32 rounding), mixed_float16
+and mixed_bfloat16. Every run must skip the steps one device skips, end at one device's loss
+scale, hold finite weights (equal on every worker, bit for bit) and be within the policy's
+rounding of one device's. Keras's own LossScaleOptimizer takes replica 0's local answer: inf
+in every weight under MirroredStrategy, workers out of step under CollectiveAllReduce.
+"""
+
+import json
+
+import numpy as np
+import pytest
+from cluster import launch_script, run_script
+from common import relative_errors
+
+# Two replicas sum a batch's halves, one device the whole: float16 and bfloat16 round them
+# differently (measured: 2.0e-4 and 4.2e-3 after 8 steps).
+TOLERANCE = {"float32": 1e-5, "mixed_float16": 1e-3, "mixed_bfloat16": 2e-2}
+POLICIES = ["float32", "mixed_float16", "mixed_bfloat16"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mixed_precision")
+    run_script("mixed_precision.py", str(out), "reference", *POLICIES)
+    return out
+
+
+def _check(out, run: str, reference) -> dict:
+    """`run`'s report and weights against one device's; returns its weights."""
+    report = json.loads((out / f"{run}.json").read_text())
+    expected = json.loads((reference / "reference.json").read_text())
+    arrays, ref = np.load(out / f"{run}.npz"), np.load(reference / "reference.npz")
+    assert report, run
+    for key, mine in report.items():
+        assert mine == expected[key], (run, key, mine, expected[key])  # scales, skips, finite
+        assert mine["finite"], (run, key)
+        names = [k for k in arrays.files if k.startswith(key + "/")]
+        errs = relative_errors([arrays[k] for k in names], [ref[k] for k in names])
+        assert names and max(errs) <= TOLERANCE[key.split("/")[0]], (run, key, errs)
+    skipped = expected["mixed_float16/fit"]
+    assert skipped["iterations"] == 6 and skipped["scales"][-1] == 8192.0, skipped  # 2 skipped
+    return {k: arrays[k] for k in arrays.files}
+
+
+def _same_bits(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_mirrored_replicas_skip_the_same_steps(reference, tmp_path):
+    run_script("mixed_precision.py", str(tmp_path), "mirrored", *POLICIES)
+    _check(tmp_path, "mirrored", reference)
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize(
+    "kind,ps,policies",
+    [
+        ("collective", 0, POLICIES),
+        # The chief decides from the aggregated gradients (fit; custom loops: not the protocol).
+        ("ps", 1, ["mixed_float16"]),
+        # No loss scaling, the table on the ps (mixed_float16 is refused for ps-held tables).
+        ("hybrid", 1, ["mixed_bfloat16"]),
+    ],
+)
+def test_workers_skip_the_same_steps(reference, tmp_path, kind, ps, policies):
+    code, log = launch_script("mixed_precision.py", str(tmp_path), kind, *policies, ps=ps)
+    assert code == 0, log[-6000:]
+    first, second = (_check(tmp_path, f"{kind}_worker_{i}", reference) for i in (0, 1))
+    assert _same_bits(first, second)
