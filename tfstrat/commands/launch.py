@@ -96,6 +96,8 @@ def run(args) -> int:
             timeout=args.timeout,
             port_retries=args.port_retries,
             threads_per_task=args.threads_per_task,
+            gpus=_args.csv(args.gpus) if args.gpus is not None else None,
+            gpus_per_task=args.gpus_per_task,
             grace=args.grace,
             restarts=args.restarts,
             nodes=nodes,
@@ -172,6 +174,22 @@ def add_parser(sub) -> None:
         default=_args.env("threads-per-task", None, int),
         help="threads in each TensorFlow pool per task (TF_NUM_INTRAOP_THREADS and "
         "TF_NUM_INTEROP_THREADS); default: cores / (workers + chief); 0: TensorFlow's defaults",
+    )
+    g.add_argument(
+        "--gpus",
+        default=_args.env("gpus", None, str),
+        metavar="LIST",
+        help="the GPUs to hand out, e.g. 0,1,2,3 (default: this launcher's "
+        "CUDA_VISIBLE_DEVICES, else every GPU the NVIDIA driver lists): each chief and worker "
+        "task gets its own CUDA_VISIBLE_DEVICES, the same number each, ps tasks none",
+    )
+    g.add_argument(
+        "--gpus-per-task",
+        type=int,
+        default=_args.env("gpus-per-task", None, int),
+        metavar="N",
+        help="GPUs per chief and worker task (default: all of them split evenly; a count that "
+        "does not divide is refused)",
     )
     g = p.add_argument_group("Run")
     g.add_argument(

@@ -41,6 +41,7 @@ from tfstrat.cluster import ports as _ports
 from tfstrat.cluster import secret as _secret
 from tfstrat.cluster.layout import NodeLayout
 from tfstrat.errors import UsageError
+from tfstrat.launcher import gpus as _gpus
 from tfstrat.launcher import tasks as _tasks
 from tfstrat.launcher.tasks import Failure, Task
 from tfstrat.runtime import allocator as _runtime
@@ -114,6 +115,11 @@ class LaunchConfig:
             (the job is stopped after its step and grows).
         rejoin_window: seconds a restart's rendezvous waits for nodes that still answer but
             have not joined; the first waits `peer_timeout` for every node to start.
+        gpus: the GPUs to hand out ("0", "1", ... or UUIDs); None: this launcher's
+            CUDA_VISIBLE_DEVICES, else every GPU the NVIDIA driver lists. Each chief and
+            worker task this launcher starts gets its own (`tfstrat.launcher.gpus`), ps tasks
+            none; no GPU found: tasks see what the launcher sees.
+        gpus_per_task: GPUs per chief and worker task; None: all of them split evenly.
     """
 
     command: Sequence[str]
@@ -136,6 +142,8 @@ class LaunchConfig:
     backup_dir: str | None = None
     min_nodes: int = 1
     rejoin_window: float = 60.0
+    gpus: Sequence[str] | None = None
+    gpus_per_task: int | None = None
 
     def __post_init__(self):
         if not self.command:
@@ -173,6 +181,7 @@ class LaunchConfig:
         if self.nodes is not None:
             self._check_nodes()
         self._check_show()
+        gpu_binding(self)  # GPUs that do not split among the tasks: said now, by name
 
     def _check_show(self):
         names = _show_names(self.show)
@@ -319,10 +328,13 @@ def _task_env(
     index: int,
     restart: int,
     secret: str | None = None,
+    cuda: str | None = None,
 ) -> dict:
     env = dict(os.environ)
     env.update(config.env or {})
     env.update(tf_config.for_task(task, index).to_env())
+    if cuda is not None:  # this task's own GPUs (`tfstrat.launcher.gpus`)
+        env["CUDA_VISIBLE_DEVICES"] = cuda
     env["TFSTRAT_TASK"] = f"{task}:{index}"
     env["TFSTRAT_RESTART"] = str(restart)
     if secret is not None:  # this attempt's: tasks of other jobs and attempts are refused
@@ -357,6 +369,17 @@ def _local_cluster(config: LaunchConfig) -> TFConfig:
     if config.nodes is not None:
         return config.nodes.tf_config()
     return TFConfig.local(workers=config.workers, ps=config.ps, chief=config.chief)
+
+
+def gpu_binding(config: LaunchConfig) -> dict[str, str]:
+    """{task name: CUDA_VISIBLE_DEVICES} for the tasks this launcher starts ({}: no GPUs)."""
+    names = [f"{t}:{i}" for t, i in _roles(config)]
+    return _gpus.bind(
+        [n for n in names if not n.startswith("ps:")],
+        _gpus.available(config.gpus),
+        config.gpus_per_task,
+        others=[n for n in names if n.startswith("ps:")],
+    )
 
 
 def _roles(config: LaunchConfig) -> list[tuple[str, int]]:
@@ -442,6 +465,9 @@ class _Attempt:
         server = [sys.executable, "-m", "tfstrat", "server"]
         roles = _roles(config)
         shown = _shown(config, roles)
+        cuda = gpu_binding(config)
+        if cuda:
+            out.write(_gpus.describe(cuda) + "\n")
         self.ps: list[Task] = []
         self.train: list[Task] = []
         try:
@@ -450,7 +476,7 @@ class _Attempt:
                 task = Task(
                     name,
                     server if t == "ps" else config.command,
-                    _task_env(config, tf_config, t, i, restart, secret),
+                    _task_env(config, tf_config, t, i, restart, secret, cuda.get(name)),
                     out,
                     shown=name in shown,
                     log=_open_log(config, name, start),

@@ -1,0 +1,98 @@
+"""`tfstrat launch` gives each training task its own GPUs (`tfstrat.launcher.gpus`).
+
+The decisions are pure functions of literal GPU lists; the launch test names GPUs with `gpus=`
+(honoured with no GPU present) and reads what each real task process was given.
+"""
+
+import io
+import subprocess
+import sys
+
+import pytest
+
+from tfstrat import LaunchConfig, launch
+from tfstrat.launcher import gpus
+
+W = [f"worker:{i}" for i in range(8)]
+
+
+@pytest.mark.parametrize(
+    "trainers,available,per_task,expected",
+    [
+        (W[:1], ["0"], None, {"worker:0": "0"}),
+        (W[:2], ["0", "1"], None, {"worker:0": "0", "worker:1": "1"}),
+        (W[:2], [str(i) for i in range(8)], None, {"worker:0": "0,1,2,3", "worker:1": "4,5,6,7"}),
+        (W[:8], [str(i) for i in range(8)], None, {w: str(i) for i, w in enumerate(W)}),
+        (
+            W[:3],
+            [str(i) for i in range(8)],
+            2,
+            {"worker:0": "0,1", "worker:1": "2,3", "worker:2": "4,5"},
+        ),
+        (["chief:0", "worker:0"], ["2", "5"], None, {"chief:0": "2", "worker:0": "5"}),  # a subset
+        (W[:2], ["GPU-aa", "GPU-bb"], None, {"worker:0": "GPU-aa", "worker:1": "GPU-bb"}),  # UUIDs
+        (W[:2], [], None, {}),  # a CPU-only host: nothing set
+    ],
+)
+def test_each_training_task_gets_its_own_gpus(trainers, available, per_task, expected):
+    assert gpus.bind(trainers, available, per_task) == expected
+
+
+def test_ps_tasks_get_none_and_counts_that_do_not_split_are_refused():
+    assert gpus.bind(W[:2], ["0", "1"], others=["ps:0"]) == {
+        "worker:0": "0",
+        "worker:1": "1",
+        "ps:0": "",
+    }
+    with pytest.raises(
+        ValueError, match=r"4 GPU\(s\) \(0,1,2,3\) for 3 training task.*--gpus-per-task 1"
+    ):
+        gpus.bind(W[:3], ["0", "1", "2", "3"])
+    with pytest.raises(ValueError, match=r"gpus_per_task=2 for 3 training task.*6 GPUs.*has 4"):
+        gpus.bind(W[:3], ["0", "1", "2", "3"], per_task=2)
+    with pytest.raises(ValueError, match=r"gpus_per_task=1, but this launcher finds no GPU"):
+        gpus.bind(W[:2], [], per_task=1)
+    with pytest.raises(ValueError, match="gpus_per_task=0"):
+        gpus.bind(W[:2], ["0", "1"], per_task=0)
+    with pytest.raises(ValueError, match="does not split evenly"):  # refused before any start
+        LaunchConfig(["true"], workers=3, gpus=["0", "1"])
+
+
+def test_the_gpus_to_hand_out_come_from_the_flag_then_cuda_visible_devices():
+    assert gpus.available(["0", " 3"], {"CUDA_VISIBLE_DEVICES": "1"}) == ["0", "3"]
+    assert gpus.available(None, {"CUDA_VISIBLE_DEVICES": "2,3"}) == ["2", "3"]
+    assert gpus.available(None, {"CUDA_VISIBLE_DEVICES": ""}) == []
+    assert gpus.available(None, {"CUDA_VISIBLE_DEVICES": "-1"}) == []
+
+
+@pytest.mark.cluster
+def test_launched_workers_see_their_own_cuda_visible_devices():
+    script = "import os; print('CVD', repr(os.environ.get('CUDA_VISIBLE_DEVICES')))"
+    out = io.StringIO()
+    config = LaunchConfig([sys.executable, "-c", script], workers=2, gpus=["0", "1"], timeout=60)
+    assert launch(config, out) == 0, out.getvalue()
+    lines = out.getvalue().splitlines()
+    assert "tfstrat launch: GPUs (CUDA_VISIBLE_DEVICES): worker:0 GPU 0, worker:1 GPU 1" in lines
+    assert "[worker:0] CVD '0'" in lines and "[worker:1] CVD '1'" in lines, lines
+
+
+def test_the_command_line_refuses_gpus_that_do_not_split_with_exit_2():
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tfstrat",
+            "launch",
+            "--workers",
+            "3",
+            "--gpus",
+            "0,1",
+            "--",
+            "true",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "2 GPU(s) (0,1) for 3 training task(s)" in proc.stderr

@@ -1,0 +1,105 @@
+"""Which GPUs each task `tfstrat launch` starts may use: its own `CUDA_VISIBLE_DEVICES`.
+
+A process sees every GPU of its machine unless told otherwise, and TensorFlow reserves most of
+the memory of every GPU it sees: several training tasks on one machine that all see all GPUs
+fight over every card, and NCCL refuses two ranks on one GPU ("Duplicate GPU detected"). So,
+as torchrun, Horovod and SLURM's `SlurmClusterResolver` do, each training task (chief,
+workers) gets its own GPUs, the same number each, and ps tasks (which hold variables and
+tables on the host) get none. TensorFlow-free, like the rest of the launcher.
+
+The GPUs to hand out: `gpus` when given (`--gpus 0,1,...`), else the launcher's own
+`CUDA_VISIBLE_DEVICES` when set, else the NVIDIA driver's list (`/proc/driver/nvidia/gpus`);
+none found: nothing is set and every task sees what the launcher sees. A task's GPUs are
+listed as the launcher knows them (the indices or UUIDs of its `CUDA_VISIBLE_DEVICES`), so
+inside a restricted launcher they stay inside its set.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+
+from tfstrat.errors import UsageError
+
+_DRIVER = "/proc/driver/nvidia/gpus"
+
+
+def available(
+    gpus: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> list[str]:
+    """The GPUs the launcher may hand out (see the module's docstring)."""
+    if gpus is not None:
+        return [str(g).strip() for g in gpus if str(g).strip()]
+    environ = os.environ if environ is None else environ
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [g.strip() for g in visible.split(",") if g.strip()]
+        # CUDA stops at the first invalid entry; "-1" (or "") is the usual way to hide all.
+        return [] if not ids or ids[0].startswith("-") else ids
+    try:
+        return [str(i) for i in range(len(os.listdir(_DRIVER)))]
+    except OSError:
+        return []
+
+
+def bind(
+    trainers: Sequence[str],
+    gpus: Sequence[str],
+    per_task: int | None = None,
+    others: Sequence[str] = (),
+) -> dict[str, str]:
+    """{task name: its CUDA_VISIBLE_DEVICES} for the training tasks `trainers` and the ps
+    tasks `others`; {} when there are no GPUs to hand out.
+
+    Args:
+        trainers: the chief and worker tasks this launcher starts, in order ("worker:0", ...).
+        gpus: the GPUs to hand out (`available()`).
+        per_task: GPUs per training task; None: all of them split evenly (refused when the
+            count does not divide).
+        others: tasks that get no GPU (ps tasks): an empty CUDA_VISIBLE_DEVICES.
+
+    Raises:
+        UsageError: naming the counts and the fix, when the GPUs cannot be split so.
+
+    Example:
+        >>> bind(["worker:0", "worker:1"], ["0", "1", "2", "3"], others=["ps:0"])
+        {'worker:0': '0,1', 'worker:1': '2,3', 'ps:0': ''}
+    """
+    gpus = list(gpus)
+    if per_task is not None and per_task < 1:
+        raise UsageError(f"Received: gpus_per_task={per_task}. Use 1 or more (or leave it unset).")
+    if not gpus:
+        if per_task is not None:
+            raise UsageError(
+                f"Received: gpus_per_task={per_task}, but this launcher finds no GPU (no "
+                "CUDA_VISIBLE_DEVICES, no NVIDIA driver). Name them with --gpus 0,1,..."
+            )
+        return {}
+    if not trainers:
+        return {name: "" for name in others}
+    if per_task is None:
+        if len(gpus) % len(trainers):
+            raise UsageError(
+                f"Received: {len(gpus)} GPU(s) ({','.join(gpus)}) for {len(trainers)} training "
+                f"task(s) on this machine, which does not split evenly. Give each task the "
+                f"same number: --gpus-per-task {max(1, len(gpus) // len(trainers))} (or --gpus "
+                "with a multiple of the task count)."
+            )
+        per_task = len(gpus) // len(trainers)
+    if per_task * len(trainers) > len(gpus):
+        raise UsageError(
+            f"Received: gpus_per_task={per_task} for {len(trainers)} training task(s): "
+            f"{per_task * len(trainers)} GPUs, but this launcher has {len(gpus)} "
+            f"({','.join(gpus)}). Start fewer tasks or give fewer GPUs per task."
+        )
+    out = {
+        name: ",".join(gpus[k * per_task : (k + 1) * per_task]) for k, name in enumerate(trainers)
+    }
+    out.update({name: "" for name in others})
+    return out
+
+
+def describe(binding: Mapping[str, str]) -> str:
+    """One line for the launcher's start: who has which GPU."""
+    parts = [f"{name} GPU {ids}" if ids else f"{name} none" for name, ids in binding.items()]
+    return "tfstrat launch: GPUs (CUDA_VISIBLE_DEVICES): " + ", ".join(parts)
