@@ -1,7 +1,8 @@
 """Mixed precision: one replica's overflow makes every replica and worker skip the same step.
 
-tests/workers/mixed_precision.py trains a model whose row 47 overflows the first layer for the
-replica given it, with `fit` and with a custom loop, under float32 with an explicit
+tests/workers/mixed_precision.py trains a model (a Dense layer beside an Embedding, whose table
+Hybrid holds on its ps) whose row 47 overflows the Dense layer for the replica given it, with
+`fit` and with a custom loop, under float32 with an explicit
 LossScaleOptimizer (exact arithmetic: equal to one device to float32 rounding), mixed_float16
 and mixed_bfloat16. Every run must skip the steps one device skips, end at one device's loss
 scale, hold finite weights (equal on every worker, bit for bit) and be within the policy's
@@ -62,8 +63,8 @@ def test_mirrored_replicas_skip_the_same_steps(reference, tmp_path):
         ("collective", 0, POLICIES),
         # The chief decides from the aggregated gradients (fit; custom loops: not the protocol).
         ("ps", 1, ["mixed_float16"]),
-        # No loss scaling, the table on the ps (mixed_float16 is refused for ps-held tables).
-        ("hybrid", 1, ["mixed_bfloat16"]),
+        # The table on the ps: its rows are pushed once the step's verdict is known.
+        ("hybrid", 1, POLICIES),
     ],
 )
 def test_workers_skip_the_same_steps(reference, tmp_path, kind, ps, policies):

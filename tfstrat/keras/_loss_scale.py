@@ -14,6 +14,12 @@ replica of every worker (one scalar all-reduce per step, beside the gradients');
 applied, or skipped with the scale halved, on all of them alike, as one device would for the
 global batch. Under one replica (one device, a ParameterServer worker, whose chief decides
 from the aggregated gradients) Keras's own `apply` runs unchanged.
+
+A table Hybrid holds on its ps is updated there from the rows' gradient each replica pushes.
+Under loss scaling its layer holds the push (`tfstrat.ps.remote.RemoteTable.lookup`, `held`)
+and hands it here: once the verdict is known it sends the rows' gradient divided by the loss
+scale, or an empty push that tells the ps the step was skipped; a non-finite rows' gradient
+makes its stand-in weight's gradient NaN, so the verdict covers the rows too.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfstrat._compat import patches
+from tfstrat.runtime.step import _step
 
 
 def _nonfinite(optimizer, grads):
@@ -31,38 +38,40 @@ def _nonfinite(optimizer, grads):
 def _agreed_apply(keras_tf_apply):
     def _tf_apply(self, grads, trainable_variables=None):
         strategy = tf.distribute.get_strategy()
-        if strategy.num_replicas_in_sync <= 1:
+        held, _step.pushes = _step.pushes or [], None  # ps-held rows waiting for the verdict
+        if strategy.num_replicas_in_sync <= 1 and not held:
             return keras_tf_apply(self, grads, trainable_variables)
         if tf.distribute.in_cross_replica_context():
             raise ValueError("apply() must be called in a replica context.")
-        finite_branch = lambda: self._stateful_handle_finite_grads(grads, trainable_variables)  # noqa: E731
-        if tf.__internal__.distribute.strategy_supports_no_merge_call():
+        nonfinite = _nonfinite(self, grads)
+        if strategy.num_replicas_in_sync > 1:
             context = tf.distribute.get_replica_context()
-            everywhere = context.all_reduce(tf.distribute.ReduceOp.SUM, _nonfinite(self, grads))
+            nonfinite = context.all_reduce(tf.distribute.ReduceOp.SUM, nonfinite)
+        finite = tf.equal(nonfinite, 0.0)
+        for send in held:  # before the scale changes: the rows are unscaled by this step's
+            send(finite, self.dynamic_scale)
+        if tf.__internal__.distribute.strategy_supports_no_merge_call():
             tf.cond(
-                tf.equal(everywhere, 0.0), finite_branch, self._stateful_handle_non_finite_grads
+                finite,
+                lambda: self._stateful_handle_finite_grads(grads, trainable_variables),
+                self._stateful_handle_non_finite_grads,
             )
             return
 
-        def cross_replica(distribution, grads, trainable_variables):
-            counts = distribution.extended.call_for_each_replica(
-                lambda g: _nonfinite(self, g), args=(grads,)
-            )
-            everywhere = distribution.reduce(tf.distribute.ReduceOp.SUM, counts, axis=None)
-
+        def cross_replica(distribution, finite, grads, trainable_variables):
             def apply_everywhere():
                 distribution.extended.call_for_each_replica(
                     self._stateful_handle_finite_grads, args=(grads, trainable_variables)
                 )
 
             # In cross-replica context, as Keras does: a cond in a replica context cannot have
-            # a branch that calls merge_call (the inner optimizer's apply does).
-            tf.cond(
-                tf.equal(everywhere, 0.0), apply_everywhere, self._stateful_handle_non_finite_grads
-            )
+            # a branch that calls merge_call (the inner optimizer's apply does). Every replica
+            # holds the same verdict.
+            agreed = distribution.experimental_local_results(finite)[0]
+            tf.cond(agreed, apply_everywhere, self._stateful_handle_non_finite_grads)
 
         tf.distribute.get_replica_context().merge_call(
-            cross_replica, args=(grads, trainable_variables)
+            cross_replica, args=(finite, grads, trainable_variables)
         )
 
     return _tf_apply

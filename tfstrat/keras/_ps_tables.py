@@ -222,8 +222,10 @@ def lookup(layer, inputs):
         )
     refuse_settings(layer, strategy._optimizer)  # at trace time
     decays = uses_weight_decay(strategy._optimizer, layer)
+    # Under loss scaling (mixed_float16) the rows wait for the step's verdict (`_loss_scale`).
+    held = hasattr(strategy._optimizer, "inner_optimizer")
     rows = table.lookup(
-        inputs, layer._anchor, strategy.table_step, lambda: strategy.table_hyper(decays)
+        inputs, layer._anchor, strategy.table_step, lambda: strategy.table_hyper(decays), held
     )
     return tf.cast(rows, layer.compute_dtype)
 
@@ -259,6 +261,7 @@ def mirror(layer, why: str) -> None:
 
 def uses_weight_decay(optimizer, layer) -> bool:
     """Whether `optimizer` decays the layer's table (Keras's rule, by the variable's name)."""
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)  # a LossScaleOptimizer's
     if optimizer is None or not getattr(optimizer, "weight_decay", None):
         return False
     return bool(optimizer._use_weight_decay(layer._anchor))
@@ -271,14 +274,7 @@ def refuse_settings(layer, optimizer) -> None:
     if optimizer is None:
         return
     name = layer.name
-    if hasattr(optimizer, "inner_optimizer"):  # a LossScaleOptimizer (mixed_float16)
-        raise UsageError(
-            f"Received: {type(optimizer).__name__} (mixed_float16's loss scaling) with "
-            f"{name!r}, whose table Hybrid keeps on the ps tasks: the ps updates the rows of "
-            "each push as it comes, before the step's finite check, so a step the loss scaling "
-            "skips could not skip them. Use mixed_bfloat16 (no loss scaling), or keep this "
-            f"table mirrored: Hybrid(sparse=['!{name}'])."
-        )
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)  # a LossScaleOptimizer's
     settings = {
         "clipnorm": optimizer.clipnorm,
         "global_clipnorm": optimizer.global_clipnorm,

@@ -289,8 +289,15 @@ class RemoteTable:
         args = [unique_ids, tf.cast(grads, tf.float32), step, hyper, rows, replica]
         return tf.numpy_function(self._push, args, tf.int64, stateful=True, name="push")
 
-    def lookup(self, ids, anchor, step_fn, hyper_fn):
-        """Rows for `ids` (any shape); the gradient w.r.t. `anchor` pushes the rows' gradient."""
+    def lookup(self, ids, anchor, step_fn, hyper_fn, held: bool = False):
+        """Rows for `ids` (any shape); the gradient w.r.t. `anchor` pushes the rows' gradient.
+
+        `held` (loss scaling): the gradient does not push; it hands `send(finite, scale)` to
+        the step's optimizer (`tfstrat.runtime.step._step.pushes`), which calls it once every
+        replica agreed whether the step is applied: the rows' gradient divided by the loss
+        scale, or an empty push the ps counts and applies nothing of. The anchor's gradient
+        is then NaN when the rows' gradient is not finite, so the step's verdict covers them.
+        """
         flat = tf.reshape(tf.cast(ids, tf.int64), [-1])
         unique, index = tf.unique(flat)
 
@@ -302,6 +309,10 @@ class RemoteTable:
             def grad(d_rows):
                 summed = tf.math.unsorted_segment_sum(d_rows, index, tf.shape(unique)[0])
                 summed, rows = self._weighted(summed)
+                if held:
+                    self._hold(unique, summed, rows, step_fn, hyper_fn)
+                    finite = tf.reduce_all(tf.math.is_finite(summed))
+                    return tf.zeros_like(a) + tf.cast(tf.where(finite, 0.0, np.nan), a.dtype)
                 sent = self.push(unique, summed, step_fn(), hyper_fn(), rows)
                 sent = tf.cast(tf.reshape(sent, []), a.dtype)
                 return tf.zeros_like(a) + 0.0 * sent  # 0, once the pushes are sent
@@ -310,6 +321,25 @@ class RemoteTable:
 
         rows = rows_of(anchor)
         return tf.reshape(rows, tf.concat([tf.shape(ids), [self.dim]], 0))
+
+    def _hold(self, unique, summed, rows, step_fn, hyper_fn) -> None:
+        """Hands the step's optimizer `send(finite, scale)` instead of pushing now."""
+        from tfstrat.runtime.step import _step
+
+        def send(finite, scale):
+            step, hyper = step_fn(), hyper_fn()
+
+            def applied():
+                grads = summed / tf.cast(scale, summed.dtype)
+                return self.push(unique, grads, step, hyper, rows)
+
+            def skipped():  # kind -1: the ps counts the push and applies nothing
+                no_ids, no_rows = tf.zeros([0], tf.int64), tf.zeros([0, self.dim])
+                return self.push(no_ids, no_rows, step, tf.concat([[-1.0], hyper[1:]], 0))
+
+            return tf.cond(finite, applied, skipped)
+
+        _step.pushes = (_step.pushes or []) + [send]
 
     def _weighted(self, grads):
         """(grads * R n_r, n_r) when Keras scaled this step's loss, else (grads, None)."""
@@ -326,6 +356,7 @@ class RemoteTable:
 
 def optimizer_kind(optimizer) -> str | None:
     """The `tfstrat.ps.rowmath` step a ps applies for a Keras optimizer, or None if it has none."""
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)  # a LossScaleOptimizer's
     classes = {cls.__name__ for cls in type(optimizer).__mro__}
     if "SGD" in classes:
         return "sgd_momentum" if optimizer.momentum else "sgd"
@@ -341,6 +372,7 @@ def optimizer_kind(optimizer) -> str | None:
 def optimizer_hyper(optimizer, decays: bool = False) -> tf.Tensor:
     """The `tables.HYPER` numbers a push carries (the layout is in `tfstrat.ps.tables`);
     `decays`: whether the optimizer's weight decay reaches the table."""
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)  # a LossScaleOptimizer's
     kind = optimizer_kind(optimizer)
     if kind is None:
         raise UsageError(

@@ -28,7 +28,9 @@ change. Each push carries its rows' gradient already multiplied by its weight an
 weights, so replicas of unequal batches give the global batch's mean gradient (the same
 weighting `tfstrat.strategies._exact_step` gives mirrored variables) before any optimizer (SGD,
 Adagrad, Adam, RMSprop) or slot sees it. Pushes of weight 0 (a step whose loss Keras did not
-scale, a partition trial) are summed as they are. Each replica pushes once per step (a second
+scale, a partition trial) are summed as they are. A step whose pushes carry the optimizer kind
+-1 was skipped by the loss scaling on every worker (`mixed_float16`, `tfstrat.keras._loss_scale`):
+it is counted and nothing is applied, not even weight decay. Each replica pushes once per step (a second
 push is refused, naming the cause). The steps are `tfstrat.ps.rowmath`'s: SGD and Adagrad equal
 Keras's dense update on the same gradient; Adam, SGD with momentum and RMSprop are the lazy
 variants (rows not in the batch keep their slots and values).
@@ -200,8 +202,10 @@ class Table:
                 unique, summed = _sum_rows(pushes, self.dim)
                 if weight > 0:  # the global batch's mean, as one device computes it
                     summed /= np.float32(weight)
+                hyper = np.asarray(hyper, np.float32)
                 try:
-                    self._apply(unique, summed, np.asarray(hyper, np.float32), step)
+                    if hyper[0] >= 0:  # kind -1: a step the loss scaling skipped everywhere
+                        self._apply(unique, summed, hyper, step)
                 finally:
                     self.applied.notify_all()
                 self.version += 1

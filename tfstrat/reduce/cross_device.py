@@ -310,22 +310,46 @@ class RingCalls:
     the outputs with `shapes`.
 
     Ring calls must run in the same order on every worker: within a graph each one waits for
-    the previous (control dependency); graphs and eager calls run one at a time.
+    the previous (control dependency); graphs and eager calls run one at a time. A call inside
+    a branch of a `tf.cond` (or a loop's body) also waits for the enclosing graph's previous
+    call, and the enclosing graph's next call waits for the control-flow ops made since its
+    previous one (such as `LossScaleOptimizer`'s cond, whose branch all-reduces the
+    gradients while a loss is reduced after it).
     """
+
+    _CONTROL_FLOW = {"If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase"}
 
     def __init__(self):
         self._last = weakref.WeakKeyDictionary()  # graph -> its last ring op
+        self._seen = weakref.WeakKeyDictionary()  # graph -> its op count at its last ring op
+        self._nested = weakref.WeakKeyDictionary()  # graph -> a nested graph made ring calls
+
+    def _waits(self, graph) -> list:
+        """What a ring call made now in `graph` waits for."""
+        last = self._last.get(graph)
+        deps = [last] if last is not None else []
+        if self._nested.pop(graph, False):
+            made = graph.get_operations()[self._seen.get(graph, 0) :]
+            deps += [op for op in made if op.type in self._CONTROL_FLOW]
+        outer = getattr(graph, "outer_graph", None)
+        if last is None and outer is not None and self._last.get(outer) is not None:
+            deps.append(self._last[outer])  # a branch's first call: after the enclosing one's
+        return deps
 
     def call(self, fn, inputs, shapes, name):
         graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
-        last = self._last.get(graph) if graph is not None else None
-        with tf.control_dependencies([last] if last is not None else []):
+        with tf.control_dependencies(self._waits(graph) if graph is not None else []):
             outs = tf.numpy_function(
                 fn, inputs, [t.dtype for t in inputs], stateful=True, name=name
             )
         outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]  # one: not a list
         if graph is not None:
             self._last[graph] = outs[0].op
+            self._seen[graph] = len(graph.get_operations())
+            outer = getattr(graph, "outer_graph", None)
+            while outer is not None:
+                self._nested[outer] = True
+                outer = getattr(outer, "outer_graph", None)
         for out, shape in zip(outs, shapes):
             out.set_shape(shape)
         return outs

@@ -13,6 +13,7 @@ class _Step(threading.local):
     scaled = False  # Keras divided a loss by the replica count in this step
     metrics = None  # metrics whose states ride in the gradient all-reduce
     states = None  # their all-reduced states, once the reduce has run
+    pushes = None  # Hybrid's row pushes held for the loss scaling's verdict (`_loss_scale`)
 
 
 _step = _Step()
