@@ -72,3 +72,25 @@ def test_workers_skip_the_same_steps(reference, tmp_path, kind, ps, policies):
     assert code == 0, log[-6000:]
     first, second = (_check(tmp_path, f"{kind}_worker_{i}", reference) for i in (0, 1))
     assert _same_bits(first, second)
+
+
+@pytest.mark.cluster
+def test_localsgd_decides_with_everyone_at_sync_every_1_and_alone_between_syncs(
+    reference, tmp_path
+):
+    """sync_every=1 is CollectiveAllReduce: the same skips as one device. sync_every=4: each
+    worker keeps its own loss scale (worker 1 holds row 47: it skips, worker 0 does not), and
+    the averaged weights are finite and the same on both workers."""
+    for every, policies in ((1, ["float32", "mixed_float16"]), (4, ["mixed_float16"])):
+        args = ("mixed_precision.py", str(tmp_path), "localsgd", f"--sync-every={every}")
+        code, log = launch_script(*args, *policies)
+        assert code == 0, log[-6000:]
+    first, second = (_check(tmp_path, f"localsgd1_worker_{i}", reference) for i in (0, 1))
+    assert _same_bits(first, second)
+    alone = [json.loads((tmp_path / f"localsgd4_worker_{i}.json").read_text()) for i in (0, 1)]
+    fits = [report["mixed_float16/fit"] for report in alone]
+    assert fits[0]["scales"] == [32768.0] * 8 and fits[0]["iterations"] == 8, fits
+    assert fits[1]["scales"][-1] == 8192.0 and fits[1]["iterations"] == 6, fits
+    assert all(f["finite"] for f in fits)
+    arrays = [np.load(tmp_path / f"localsgd4_worker_{i}.npz") for i in (0, 1)]
+    assert _same_bits(*({k: a[k] for k in a.files} for a in arrays))

@@ -3,7 +3,8 @@
 Usage:
     python mixed_precision.py OUT reference|mirrored POLICY...    one process (mirrored: 2
                                                                  logical CPUs, MirroredNCCL)
-    python mixed_precision.py OUT collective|hybrid|ps POLICY...  a worker (tfstrat launch)
+    python mixed_precision.py OUT collective|hybrid|ps|localsgd [--sync-every N] POLICY...
+                                                                 a worker (tfstrat launch)
 
 POLICY: `mixed_float16` (Keras wraps the optimizer in a LossScaleOptimizer), `float32` (with
 a LossScaleOptimizer given explicitly: the same skips, in float32 arithmetic, so a strategy
@@ -13,8 +14,8 @@ The model: Dense(32, relu) beside an Embedding(10, 4), Dense(2), a float32 softm
 global batch 24, 96 rows, 2 epochs, shuffle=False. Row 47 (the last of the second global
 batch) holds a feature value large enough to overflow the first Dense (5e4 in float16, 3e38 in
 float32) for the replica given that row and no other: one device skips that step each epoch.
-Each policy trains with `fit`, then (but under ps) the same model again with a custom loop
-(TensorFlow's tutorial: `compute_average_loss`, `scale_loss`, `apply`). Writes
+Each policy trains with `fit`, then (not under ps and localsgd) the same model again with a
+custom loop (TensorFlow's tutorial: `compute_average_loss`, `scale_loss`, `apply`). Writes
 OUT/<run>.npz (weights) and OUT/<run>.json (loss scales, iterations, finite).
 """
 
@@ -26,7 +27,10 @@ import numpy as np
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
-parser.add_argument("kind", choices=["reference", "mirrored", "collective", "hybrid", "ps"])
+parser.add_argument(
+    "kind", choices=["reference", "mirrored", "collective", "hybrid", "ps", "localsgd"]
+)
+parser.add_argument("--sync-every", type=int, default=1, help="localsgd: steps between syncs")
 parser.add_argument("policies", nargs="+")
 args = parser.parse_args()
 
@@ -40,6 +44,7 @@ strategy = {
     "collective": lambda: tfstrat.CollectiveAllReduce(timeout=60),
     "hybrid": lambda: tfstrat.Hybrid(timeout=60),
     "ps": lambda: tfstrat.ParameterServer(mode="sync", timeout=60),
+    "localsgd": lambda: tfstrat.LocalSGD(sync_every=args.sync_every, timeout=60),
 }[args.kind]()
 
 import keras  # noqa: E402
@@ -139,9 +144,8 @@ for policy in args.policies:
     keras.mixed_precision.set_global_policy(policy)
     x = features.copy()
     x[47] = OVERFLOW[policy]
-    runs = [("fit", trained_with_fit)] + (
-        [] if args.kind == "ps" else [("loop", trained_with_a_loop)]
-    )
+    loops = args.kind not in ("ps", "localsgd")  # their custom loops: not their protocol
+    runs = [("fit", trained_with_fit)] + ([("loop", trained_with_a_loop)] if loops else [])
     for how, train in runs:
         model, optimizer, scales = train(policy, (x, ids))
         report[f"{policy}/{how}"] = {
@@ -156,6 +160,8 @@ keras.mixed_precision.set_global_policy("float32")
 
 task = os.environ.get("TFSTRAT_TASK", args.kind).replace(":", "_")
 name = args.kind if args.kind in ("reference", "mirrored") else f"{args.kind}_{task}"
+if args.kind == "localsgd":
+    name = f"localsgd{args.sync_every}_{task}"
 np.savez(os.path.join(args.out, f"{name}.npz"), **arrays)
 with open(os.path.join(args.out, f"{name}.json"), "w") as f:
     json.dump(report, f, indent=1)

@@ -13,7 +13,8 @@ Here every replica counts its non-finite gradients and the counts are summed ove
 replica of every worker (one scalar all-reduce per step, beside the gradients'); the step is
 applied, or skipped with the scale halved, on all of them alike, as one device would for the
 global batch. Under one replica (one device, a ParameterServer worker, whose chief decides
-from the aggregated gradients) Keras's own `apply` runs unchanged.
+from the aggregated gradients), and under LocalSGD with `sync_every > 1` (each worker steps
+alone between syncs, with its own loss scale), Keras's own `apply` runs unchanged.
 
 A table Hybrid holds on its ps is updated there from the rows' gradient each replica pushes.
 Under loss scaling its layer holds the push (`tfstrat.ps.remote.RemoteTable.lookup`, `held`)
@@ -35,11 +36,19 @@ def _nonfinite(optimizer, grads):
     return tf.cast(tf.logical_not(optimizer.check_finite(grads)), tf.float32)
 
 
+def _replica():
+    """This replica's id (a constant under the Mirrored strategies), or None."""
+    value = tf.get_static_value(tf.distribute.get_replica_context().replica_id_in_sync_group)
+    return None if value is None else int(value)
+
+
 def _agreed_apply(keras_tf_apply):
     def _tf_apply(self, grads, trainable_variables=None):
         strategy = tf.distribute.get_strategy()
         held, _step.pushes = _step.pushes or [], None  # ps-held rows waiting for the verdict
-        if strategy.num_replicas_in_sync <= 1 and not held:
+        localsgd = getattr(self.inner_optimizer, "_tfstrat_localsgd", None)
+        alone = localsgd is not None and localsgd.sync_every > 1  # each worker steps alone
+        if (strategy.num_replicas_in_sync <= 1 or alone) and not held:
             return keras_tf_apply(self, grads, trainable_variables)
         if tf.distribute.in_cross_replica_context():
             raise ValueError("apply() must be called in a replica context.")
@@ -58,10 +67,24 @@ def _agreed_apply(keras_tf_apply):
             )
             return
 
+        # Keras applies in a new call for each replica (below), which MirroredStrategy runs in
+        # new threads: this replica's step state (its rows and whether Keras scaled its loss:
+        # the exact weighting of `_exact_step`) goes with it. The metric states stay out of
+        # that all-reduce (inside a cond, they could not come out): a step's logs under loss
+        # scaling are each replica's own.
+        # Shared by this optimizer's replicas (each traces this function in its own thread).
+        states = self.__dict__.setdefault("_tfstrat_step_states", {})
+        replica = _replica()
+        states[replica] = _step.capture()
+
+        def finite_on_replica(grads, trainable_variables):
+            _step.restore(dict(states.get(_replica(), {}), metrics=None, states=None))
+            self._stateful_handle_finite_grads(grads, trainable_variables)
+
         def cross_replica(distribution, finite, grads, trainable_variables):
             def apply_everywhere():
                 distribution.extended.call_for_each_replica(
-                    self._stateful_handle_finite_grads, args=(grads, trainable_variables)
+                    finite_on_replica, args=(grads, trainable_variables)
                 )
 
             # In cross-replica context, as Keras does: a cond in a replica context cannot have
@@ -73,6 +96,7 @@ def _agreed_apply(keras_tf_apply):
         tf.distribute.get_replica_context().merge_call(
             cross_replica, args=(finite, grads, trainable_variables)
         )
+        _step.restore(states[replica])
 
     return _tf_apply
 

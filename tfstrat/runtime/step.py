@@ -15,5 +15,15 @@ class _Step(threading.local):
     states = None  # their all-reduced states, once the reduce has run
     pushes = None  # Hybrid's row pushes held for the loss scaling's verdict (`_loss_scale`)
 
+    _FIELDS = ("rows", "pending", "scaled", "metrics", "states", "pushes")
+
+    def capture(self) -> dict:
+        """This replica's step state, to carry into another thread of the same replica."""
+        return {name: getattr(self, name) for name in self._FIELDS}
+
+    def restore(self, state: dict) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
+
 
 _step = _Step()

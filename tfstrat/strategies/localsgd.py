@@ -313,25 +313,21 @@ class LocalSGD(CollectiveAllReduce):
     # -- the training step ------------------------------------------------------------------
 
     def run(self, fn, args=(), kwargs=None, options=None):
-        from keras.optimizers import LossScaleOptimizer, Optimizer
+        from keras.optimizers import Optimizer
 
         model = getattr(fn, "__self__", None)
-        inner = getattr(model, "optimizer", None)
+        compiled = getattr(model, "optimizer", None)  # a LossScaleOptimizer wraps the inner one
+        inner = getattr(compiled, "inner_optimizer", compiled)
         if getattr(fn, "__name__", "") != "train_step" or not isinstance(inner, Optimizer):
             return super().run(fn, args=args, kwargs=kwargs, options=options)
-        if isinstance(inner, LossScaleOptimizer):
-            raise UsageError(
-                "Received: a LossScaleOptimizer. LocalSGD does not support loss scaling yet; "
-                "train in float32 or use tfstrat.CollectiveAllReduce."
-            )
         ring_ = self.extended._cross_device_ops.ring
         if ring_ is not None:  # as CollectiveAllReduce.run: agree on the model first
             self._agree_on_model(model)
         elif self._stop is not None:
             self._stop.before_next_step = lambda: self._agree_on_model(model)
-        if not inner.built:
+        if not compiled.built:
             with tf.init_scope():
-                inner.build(model.trainable_variables)
+                compiled.build(model.trainable_variables)
         if id(inner) not in self._states:  # built before this strategy hooked it
             self._on_optimizer_build(inner, model.trainable_variables)
         self._reduce_locally(inner)
@@ -339,7 +335,7 @@ class LocalSGD(CollectiveAllReduce):
             self._stop.attach(model)
         _common.exact_logs_for_empty_slices(model)
         self._sync_at_epoch_end(model)
-        step = self._local_step(model, fn, inner)
+        step = self._local_step(model, fn, inner, compiled)
         # Not CollectiveAllReduce.run: its step all-reduces gradients and statistics.
         return tf.distribute.MultiWorkerMirroredStrategy.run(
             self, step, args=args, kwargs=kwargs, options=options
@@ -365,14 +361,16 @@ class LocalSGD(CollectiveAllReduce):
         inner._tfstrat_clipping = True
         inner._tfstrat_localsgd = self
 
-    def _local_step(self, model, fn, inner):
+    def _local_step(self, model, fn, inner, compiled):
+        """`compiled`: the optimizer `fit` calls (`inner`, or a LossScaleOptimizer around it,
+        which decides alone on each worker between syncs: `tfstrat.keras._loss_scale`)."""
         state = self._states[id(inner)]
         every = tf.constant(self.sync_every, tf.int64)
         # Keras's own train_step without a collective inside: its apply_gradients deferred,
         # the rest skipped on 0 rows and compiled by XLA under jit_compile (`_compute`).
         apart = _exact_step._is_keras_default_train_step(fn) and _compute.can_skip(model)
         if apart:
-            _exact_step.defer_apply(inner)
+            _exact_step.defer_apply(compiled)
 
         def step(*args, **kwargs):
             _exact_step._step.scaled = False  # set again when Keras scales this step's loss
@@ -538,7 +536,8 @@ def _install_build_hook() -> None:
     def build(self, variables):
         keras_build(self, variables)
         strategy = getattr(self, "_distribution_strategy", None)
-        if isinstance(strategy, LocalSGD) and not getattr(self, "_tfstrat_outer", False):
+        outer = getattr(self, "_tfstrat_outer", False) or hasattr(self, "inner_optimizer")
+        if isinstance(strategy, LocalSGD) and not outer:  # (a LossScaleOptimizer: its inner)
             strategy._on_optimizer_build(self, list(variables))
 
     build._tfstrat_localsgd = True
