@@ -51,9 +51,11 @@ def _same_bits(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
 
-def test_mirrored_replicas_skip_the_same_steps(reference, tmp_path):
-    run_script("mixed_precision.py", str(tmp_path), "mirrored", *POLICIES)
-    _check(tmp_path, "mirrored", reference)
+@pytest.mark.parametrize("kind", ["mirrored", "modelparallel"])
+def test_replicas_of_one_process_skip_the_same_steps(reference, tmp_path, kind):
+    """MirroredNCCL on 2 logical CPUs; ModelParallel on a (2, 2) mesh, its table split."""
+    run_script("mixed_precision.py", str(tmp_path), kind, *POLICIES)
+    _check(tmp_path, kind, reference)
 
 
 @pytest.mark.cluster

@@ -1,8 +1,9 @@
 """Loss scaling with one replica's overflow, and bfloat16, under a strategy or on one device.
 
 Usage:
-    python mixed_precision.py OUT reference|mirrored POLICY...    one process (mirrored: 2
-                                                                 logical CPUs, MirroredNCCL)
+    python mixed_precision.py OUT reference|mirrored|modelparallel POLICY...
+                              one process (mirrored: MirroredNCCL on 2 logical CPUs;
+                              modelparallel: a (2, 2) mesh of 4, the table split)
     python mixed_precision.py OUT collective|hybrid|ps|localsgd [--sync-every N] POLICY...
                                                                  a worker (tfstrat launch)
 
@@ -28,7 +29,8 @@ import numpy as np
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
 parser.add_argument(
-    "kind", choices=["reference", "mirrored", "collective", "hybrid", "ps", "localsgd"]
+    "kind",
+    choices=["reference", "mirrored", "modelparallel", "collective", "hybrid", "ps", "localsgd"],
 )
 parser.add_argument("--sync-every", type=int, default=1, help="localsgd: steps between syncs")
 parser.add_argument("policies", nargs="+")
@@ -38,9 +40,22 @@ import tfstrat  # noqa: E402
 
 if args.kind == "mirrored":
     tfstrat.split_cpu(2)
+if args.kind == "modelparallel":
+    tfstrat.split_cpu(4)
+
+
+def model_parallel():
+    """A (2, 2) mesh: 2 slices of the batch x the table split by rows (vocabulary-parallel)."""
+    mesh = tfstrat.DeviceMesh((2, 2), ["batch", "model"])
+    layout = tfstrat.LayoutMap(mesh)
+    layout["table/embeddings"] = ("model", None)
+    return tfstrat.ModelParallel(layout_map=layout, batch_dim_name="batch")
+
+
 strategy = {
     "reference": lambda: None,
     "mirrored": lambda: tfstrat.MirroredNCCL(timeout=60),
+    "modelparallel": model_parallel,
     "collective": lambda: tfstrat.CollectiveAllReduce(timeout=60),
     "hybrid": lambda: tfstrat.Hybrid(timeout=60),
     "ps": lambda: tfstrat.ParameterServer(mode="sync", timeout=60),
@@ -159,7 +174,8 @@ for policy in args.policies:
 keras.mixed_precision.set_global_policy("float32")
 
 task = os.environ.get("TFSTRAT_TASK", args.kind).replace(":", "_")
-name = args.kind if args.kind in ("reference", "mirrored") else f"{args.kind}_{task}"
+one_process = ("reference", "mirrored", "modelparallel")
+name = args.kind if args.kind in one_process else f"{args.kind}_{task}"
 if args.kind == "localsgd":
     name = f"localsgd{args.sync_every}_{task}"
 np.savez(os.path.join(args.out, f"{name}.npz"), **arrays)
