@@ -234,8 +234,8 @@ def local_devices(devices: Sequence[str] | None = None) -> list[str]:
     """The devices a one-process strategy should replicate over.
 
     Args:
-        devices: explicit device names, or None for every GPU, else every logical CPU device
-            (as split by `split_cpu`, or the one CPU).
+        devices: explicit device names, or None for every visible GPU (each logical one of a
+            split card), else every logical CPU device (as split by `split_cpu`, or the one CPU).
 
     Returns:
         Device names for `tf.distribute.MirroredStrategy(devices=...)`.
@@ -247,9 +247,12 @@ def local_devices(devices: Sequence[str] | None = None) -> list[str]:
         return devices
     import tensorflow as tf
 
-    gpus = tf.config.list_physical_devices("GPU")
-    if gpus:
-        return [f"/device:GPU:{i}" for i in range(len(gpus))]
+    # The GPUs this process may use (`tf.config.set_visible_devices` hides some from
+    # TensorFlow, `CUDA_VISIBLE_DEVICES` from CUDA), each as many times as it is split.
+    gpus = tf.config.get_visible_devices("GPU")
+    n = sum(len(tf.config.get_logical_device_configuration(g) or [None]) for g in gpus)
+    if n:
+        return [f"/device:GPU:{i}" for i in range(n)]
     cpu = tf.config.list_physical_devices("CPU")[0]
     split = tf.config.get_logical_device_configuration(cpu)
     n = len(split) if split else 1

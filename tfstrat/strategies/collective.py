@@ -31,7 +31,7 @@ from tfstrat.reduce import ring
 from tfstrat.reduce.compression import PowerSGD
 from tfstrat.reduce.cross_device import SparseAwareAllReduce
 from tfstrat.reduce.sparse import DensityPolicy
-from tfstrat.strategies import _common, _reuse, _startup, _stopping
+from tfstrat.strategies import _common, _reuse, _startup, _stopping, transport
 from tfstrat.strategies import agreement as _agreement
 
 logger = logging.getLogger(__name__)
@@ -72,7 +72,10 @@ class _CollectiveLauncher(cross_device_utils.CollectiveReplicaLauncher):
 
 class _Extended(_cars.CollectiveAllReduceExtended):
     def __init__(self, container, resolver, options, local_devices, density):
-        self._local_device_count = local_devices
+        # None: stock's choice (every GPU, else the CPU); a count of logical CPUs; or names.
+        if isinstance(local_devices, int):
+            local_devices = [f"/device:CPU:{i}" for i in range(local_devices)]
+        self._local_device_names = local_devices
         self._density = density
         if getattr(container, "_tfstrat_reused", False):  # a running server: `_reuse`
             self._std_server_started, self._enable_check_health = True, False
@@ -83,10 +86,11 @@ class _Extended(_cars.CollectiveAllReduceExtended):
                 launcher.__class__, launcher.counter = _CollectiveLauncher, counter
 
     def _initialize_local_devices(self, cluster_resolver, worker_device):
-        if not self._local_device_count:
+        names = self._local_device_names
+        if not names:
             return super()._initialize_local_devices(cluster_resolver, worker_device)
-        n = self._local_device_count
-        return tuple(f"{worker_device}/device:CPU:{i}" for i in range(n)), "CPU"
+        kind = "GPU" if all("GPU:" in n for n in names) else "CPU"
+        return tuple(f"{worker_device}{n[n.index('/device:') :]}" for n in names), kind
 
     def _initialize_strategy(self, cluster_resolver, devices):
         super()._initialize_strategy(cluster_resolver, devices)
@@ -216,13 +220,15 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
 
     Args:
         tf_config: the cluster; None reads the `TF_CONFIG` environment variable.
-        devices: logical CPU devices per worker (split with `tfstrat.split_cpu(n)` first), or
-            None for every GPU, else one CPU.
+        devices: this worker's devices: None for every visible GPU, else one CPU; a count of
+            logical CPU devices (split with `tfstrat.split_cpu(n)` first); or names
+            (["/gpu:0"], ["/gpu:0", "/gpu:1"], ["/cpu:0", "/cpu:1"]).
         communication: "auto", "tcp", "ring" or "nccl". "tcp": dense gradients go over
             tfstrat's ring of TCP connections between the workers (one device per worker;
             two workers on one machine exchange the bytes through shared memory);
-            "ring"/"nccl": TensorFlow's collectives. "auto": tcp on CPU-only workers with one
-            device each, NCCL on 2+ GPUs, else TensorFlow's ring.
+            "ring"/"nccl": TensorFlow's collectives. "auto" (`tfstrat.strategies.transport`):
+            NCCL when every replica is a GPU (one or more per worker, 2+ in all), tcp on
+            CPU-only workers with one device each, else TensorFlow's ring.
         pack_bytes: split dense gradients into packs of about this many bytes (overlaps
             communication with the backward pass); None sends them in one pack.
         sparse_as_dense: "auto", a fraction in (0, 1], True or False (`DensityPolicy`).
@@ -269,9 +275,13 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
                 "tfstrat.ParameterServer / tfstrat.Hybrid."
             )
         count = devices if isinstance(devices, int) or devices is None else len(devices)
-        if count and count > 1:
-            _check_cpu_split(count)
-        names = [f"/device:CPU:{i}" for i in range(count)] if count else []
+        replicas, virtual = transport.replica_devices(devices)
+        cpus = [d for d in replicas if "CPU:" in d]
+        if len(cpus) > 1:
+            _check_cpu_split(len(cpus))
+        self._transport = transport.choose(
+            communication, replicas, _workers(tf_config), _cuda_build(), virtual
+        )
         tcp = self._uses_tcp_ring(communication, count, tf_config)
         compression = _compression.parse(compression)
         if compression is not None and not tcp and _workers(tf_config) > 1:
@@ -281,10 +291,7 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
                 "Compressed gradients travel on tfstrat's TCP ring: use one device per worker "
                 "and communication='tcp' (or 'auto' on CPU-only workers)."
             )
-        implementation = _common.communication_implementation(
-            "ring" if communication == "tcp" else communication,
-            names or [f"/device:GPU:{i}" for i in range(_num_gpus())],
-        )
+        implementation = _common.Impl[self._transport.implementation]
         options = tf.distribute.experimental.CommunicationOptions(
             bytes_per_pack=pack_bytes or 0,
             timeout_seconds=timeout,
@@ -304,7 +311,10 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
             # MWMS.__init__ hard-codes its extended class; this is its body with ours.
             try:
                 distribute_lib.Strategy.__init__(
-                    self, self._extended_class(self, resolver, options, count, self.density)
+                    self,
+                    self._extended_class(
+                        self, resolver, options, None if devices is None else replicas, self.density
+                    ),
                 )
             except RuntimeError as e:
                 if "at program startup" not in str(e):
@@ -349,7 +359,7 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
             self.num_replicas_in_sync,
             _ring_words(self.extended._cross_device_ops.ring)
             if tcp
-            else implementation.name.lower(),
+            else f"{implementation.name.lower()} all-reduce ({self._transport.why})",
             timeout,
         )
         if compression is not None:
@@ -367,7 +377,7 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
             )
 
     def _uses_tcp_ring(self, communication: str, count: int | None, tf_config) -> bool:
-        return _use_tcp(communication, count, tf_config)
+        return self._transport.kind == "tcp"
 
     def _connect_ring(self, timeout: float) -> ring.Ring:
         """Every worker listens on its tfstrat port (TF_CONFIG port + 1) at its own address
@@ -581,25 +591,6 @@ def _workers(tf_config: TFConfig | None) -> int:
     return len(tf_config.addresses("chief")) + len(tf_config.addresses("worker"))
 
 
-def _use_tcp(communication: str, count: int | None, tf_config: TFConfig | None) -> bool:
-    """tfstrat's TCP ring for dense all-reduces: asked for, or "auto" on CPU-only workers with
-    one device each (TensorFlow's gRPC collectives cost 2-3 ms a call and ~0.2 GB/s here)."""
-    workers = _workers(tf_config)
-    local = count or _num_gpus() or 1  # devices=None: every GPU, else one CPU
-    if communication == "tcp":
-        if local > 1:
-            raise UsageError(
-                f"Received: communication='tcp' with {local} devices per worker. The TCP ring "
-                "carries one device per worker; use communication='auto', 'ring' or 'nccl'."
-            )
-        return workers > 1
-    if communication not in ("auto", "ring", "nccl"):
-        raise UsageError(
-            f"Received: communication={communication!r}. Use 'auto', 'tcp', 'ring' or 'nccl'."
-        )
-    return communication == "auto" and workers > 1 and local == 1 and not _num_gpus()
-
-
 def _check_cpu_split(count: int):
     cpu = tf.config.list_physical_devices("CPU")[0]
     have = len(tf.config.get_logical_device_configuration(cpu) or [None])
@@ -610,8 +601,8 @@ def _check_cpu_split(count: int):
         )
 
 
-def _num_gpus() -> int:
-    return len(tf.config.list_physical_devices("GPU"))
+def _cuda_build() -> bool:
+    return bool(tf.sysconfig.get_build_info().get("is_cuda_build", False))
 
 
 def _seed_shuffles():

@@ -12,7 +12,7 @@ from tfstrat.cluster.devices import local_devices
 from tfstrat.keras import _shuffle
 from tfstrat.reduce.cross_device import SparseAwareAllReduce
 from tfstrat.reduce.sparse import DensityPolicy
-from tfstrat.strategies import _common
+from tfstrat.strategies import _common, transport
 from tfstrat.strategies.collective import _CollectiveLauncher
 
 logger = logging.getLogger(__name__)
@@ -57,7 +57,8 @@ class MirroredNCCL(_common.AdoptsKerasOptimizers, tf.distribute.MirroredStrategy
     ):
         devices = local_devices(devices)
         _shuffle.seed_shuffles(set_global_seed=False)  # reshuffled per epoch, replayable
-        implementation = _common.communication_implementation(communication, devices)
+        chosen = transport.choose(communication, devices, 1, _cuda_build(), _virtual_gpus())
+        implementation = _common.Impl[chosen.implementation]
         # Each instance its own collective group keys: TF 2.21 starts every MirroredStrategy
         # at group key 1, so a second one over another number of devices in the same process
         # fails ("joining a group with size 3, but that group has size 2").
@@ -88,10 +89,11 @@ class MirroredNCCL(_common.AdoptsKerasOptimizers, tf.distribute.MirroredStrategy
         extended._collective_ops = ops
         extended._communication_options = options
         logger.info(
-            "tfstrat: MirroredNCCL over %d device(s) %s, %s all-reduce",
+            "tfstrat: MirroredNCCL over %d device(s) %s, %s all-reduce (%s)",
             len(devices),
             list(devices),
             implementation.name.lower(),
+            chosen.why,
         )
 
     def experimental_distribute_dataset(self, dataset, options=None):
@@ -109,3 +111,12 @@ class MirroredNCCL(_common.AdoptsKerasOptimizers, tf.distribute.MirroredStrategy
                 options=plain,
             )
         return _common.name_empty_input(distributed)
+
+
+def _cuda_build() -> bool:
+    return bool(tf.sysconfig.get_build_info().get("is_cuda_build", False))
+
+
+def _virtual_gpus() -> bool:
+    """Whether a visible GPU is split into several logical ones (NCCL refuses them)."""
+    return transport.replica_devices(None)[1]
