@@ -75,3 +75,12 @@ def test_device_names_are_read_as_tensorflow_reads_them(name, expected):
 def test_a_name_that_is_no_device_is_refused():
     with pytest.raises(ValueError, match=r"device 'gpu0'.*'/gpu:0'"):
         normalize("gpu0")
+
+
+def test_a_parameter_server_worker_computes_on_its_gpu():
+    from tfstrat.ps.connect import compute_device
+
+    assert compute_device("worker", 1, 1) == "/job:worker/replica:0/task:1/device:GPU:0"
+    assert compute_device("chief", 0, 0) == "/job:chief/replica:0/task:0/device:CPU:0"
+    with pytest.raises(ValueError, match=r"2 GPUs visible to worker:0.*one worker per GPU"):
+        compute_device("worker", 0, 2)

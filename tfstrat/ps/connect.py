@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from tfstrat.cluster import TFConfig
 from tfstrat.cluster import ports as _ports
+from tfstrat.errors import UsageError
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +46,32 @@ def wait_for_ps(tf_config: TFConfig, timeout: float, port_offset: int = 0) -> No
                 time.sleep(0.2)
 
 
+def compute_device(task_type: str, index: int, gpus: int) -> str:
+    """The device a ParameterServer worker computes on: its GPU when it sees one (as stock
+    `ParameterServerStrategy` computes on the workers' GPUs), else its CPU; the variables stay
+    on the ps tasks' CPUs.
+
+    Raises:
+        UsageError: with several GPUs, naming the fix (one worker per GPU).
+
+    Example:
+        >>> compute_device("worker", 1, 1)
+        '/job:worker/replica:0/task:1/device:GPU:0'
+        >>> compute_device("worker", 0, 0)
+        '/job:worker/replica:0/task:0/device:CPU:0'
+    """
+    if gpus > 1:
+        raise UsageError(
+            f"Received: {gpus} GPUs visible to {task_type}:{index}. A ParameterServer worker "
+            "computes on one device: start one worker per GPU (`tfstrat launch --workers N` "
+            "gives each its own GPU), or make one visible (CUDA_VISIBLE_DEVICES=0)."
+        )
+    return f"/job:{task_type}/replica:0/task:{index}/device:{'GPU' if gpus else 'CPU'}:0"
+
+
 def connect(tf_config: TFConfig, timeout: float) -> str:
-    """Connects this process's eager context to the ps tasks; returns its own device name.
+    """Connects this process's eager context to the ps tasks; returns the device it computes
+    on (`compute_device`).
 
     The cluster view holds every ps task and this task alone: with the full worker list,
     concurrent clients try to reach each other and hang or fail with "Socket closed".
@@ -57,10 +82,12 @@ def connect(tf_config: TFConfig, timeout: float) -> str:
     resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec(view), task_type=task_type, task_id=index, rpc_layer="grpc"
     )
+    gpus = len(tf.config.get_visible_devices("GPU"))  # before connecting: no runtime yet
+    device = compute_device(task_type, index, gpus)
     tf.config.experimental_connect_to_cluster(
         resolver, job_name=task_type, task_index=index, make_master_device_default=False
     )
-    return f"/job:{task_type}/replica:0/task:{index}/device:CPU:0"
+    return device
 
 
 # TensorFlow's worker service, served by every task's gRPC server (also by a plain
