@@ -1,6 +1,8 @@
-"""The GPU tier: MirroredNCCL over NCCL, and CollectiveAllReduce with GPUs, against
-single-device training. Marked `gpu`; skipped with the reason on machines with fewer than two
-GPUs, run wherever TensorFlow lists two or more (`scripts/test -m gpu`)."""
+"""The GPU tier: MirroredNCCL over NCCL, CollectiveAllReduce with one GPU per worker over NCCL,
+Hybrid and ParameterServer computing on the workers' GPUs, and mixed precision with a forced
+overflow, against single-device training. Marked `gpu`; skipped with the reason on machines
+with fewer than two GPUs, run wherever TensorFlow lists two or more (`scripts/test -m gpu`).
+Not yet run on a machine with GPUs."""
 
 import json
 import os
@@ -41,12 +43,26 @@ def test_mirrored_nccl_over_every_gpu_equals_single_device(tmp_path):
         assert result[f"{name}_predict_rows"] == 8 * n * 24
 
 
-def test_collective_all_reduce_with_gpus_equals_single_device(tmp_path):
-    """Two workers, each with every GPU of the machine, over NCCL, against the reference run
-    of the same program on one device."""
-    args = [str(tmp_path), "--communication", "nccl"]
-    code, out = launch_script("collective_equiv.py", *args, workers=2, env=FP32)
+def _run(*args):
+    proc = subprocess.run(
+        [sys.executable, *args],
+        cwd=WORKERS,
+        capture_output=True,
+        text=True,
+        timeout=500,
+        env={**os.environ, **FP32},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_collective_all_reduce_one_gpu_per_worker_over_nccl_equals_single_device(tmp_path):
+    """Two workers, each given its own GPUs by `tfstrat launch` (one each on a 2-GPU machine),
+    NCCL chosen by "auto", against the reference run of the same program on one device."""
+    code, out = launch_script("collective_equiv.py", str(tmp_path), workers=2, env=FP32)
     assert code == 0, out[-6000:]
+    assert "tfstrat launch: GPUs (CUDA_VISIBLE_DEVICES): worker:0 GPU " in out, out[-3000:]
+    assert "nccl all-reduce" in out, out[-3000:]
     proc = subprocess.run(
         [sys.executable, "collective_equiv.py", str(tmp_path), "--reference"],
         cwd=WORKERS,
@@ -67,3 +83,40 @@ def test_collective_all_reduce_with_gpus_equals_single_device(tmp_path):
             errs = relative_errors([mine[k] for k in keys], [ref[k] for k in keys])
             assert max(errs) <= TOLERANCE, (name, i, errs)
             assert int(mine[f"{name}/iterations"]) == int(ref[f"{name}/iterations"])
+
+
+@pytest.mark.parametrize("script", ["hybrid_equiv.py", "ps_equiv.py"])
+def test_ps_strategies_compute_on_the_workers_gpus(tmp_path, script):
+    """Hybrid (dense all-reduced, tables on the ps) and ParameterServer sync with 2 workers of
+    one GPU each and 1 ps, against one device: the chief's files loaded into the stock model."""
+    _run(script, str(tmp_path), "--reference")
+    args = [str(tmp_path)] + (["--partitions=2"] if script == "hybrid_equiv.py" else [])
+    code, out = launch_script(script, *args, workers=2, ps=1, env=FP32)
+    assert code == 0, out[-6000:]
+    names = ("sgd", "adagrad")
+    files = [str(tmp_path / f"{n}.weights.h5") for n in names]
+    _run(script, str(tmp_path), "--reference", "--load", *files)
+    ref = np.load(tmp_path / "reference.npz")
+    for name, path in zip(names, files):
+        npz = np.load(path + ".npz")
+        weights = [npz[f"arr_{i}"] for i in range(len(npz.files))]
+        errs = relative_errors(weights, [ref[f"{name}/w{i}"] for i in range(len(weights))])
+        assert max(errs) <= TOLERANCE, (script, name, errs)
+    if script == "hybrid_equiv.py":  # the mirrored weights on the worker's GPU
+        dense = json.loads((tmp_path / "worker_0.json").read_text())["dense_devices"]
+        assert all("GPU" in d for d in dense.values()), dense
+    else:
+        assert "computing on device:GPU:0" in out, out[-3000:]
+
+
+def test_mixed_precision_skips_one_workers_overflow_on_gpus(tmp_path):
+    """mixed_float16 on one GPU per worker: one worker's overflow skips the step on both."""
+    _run("mixed_precision.py", str(tmp_path), "reference", "mixed_float16")
+    code, out = launch_script(
+        "mixed_precision.py", str(tmp_path), "collective", "mixed_float16", workers=2, env=FP32
+    )
+    assert code == 0, out[-6000:]
+    ref = json.loads((tmp_path / "reference.json").read_text())
+    for i in range(2):
+        mine = json.loads((tmp_path / f"collective_worker_{i}.json").read_text())
+        assert mine == ref, (i, mine, ref)

@@ -272,12 +272,14 @@ class ParameterServer(distribute_lib.Strategy):
         self._warned: set[str] = set()
         self._input_rows: int | None = None  # first batch of the latest distributed dataset
         logger.info(
-            "tfstrat: ParameterServer (%s%s), worker %d of %d, %d ps task(s), timeout %g s",
+            "tfstrat: ParameterServer (%s%s), worker %d of %d, %d ps task(s), computing on %s, "
+            "timeout %g s",
             mode,
             f", {required} of {workers} per step" if mode == "sync" else "",
             worker,
             workers,
             self.extended.num_ps,
+            device.rsplit("/", 1)[-1],
             timeout,
         )
 
