@@ -60,7 +60,16 @@ def test_device_table_reports_the_cpus_and_the_nccl_rule():
     info = tfstrat.devices()
     text = info.table()
     assert any(line.split() == ["CPUs", str(info.cpu_count)] for line in text.splitlines())
-    assert info.to_dict()["nccl"] is (info.cuda_build and len(info.gpus) >= 2)
+    assert info.to_dict()["nccl"] is (info.cuda_build and len(info.gpus) >= 1)
+
+
+def test_nvidia_smi_gets_the_card_cuda_visible_devices_names():
+    from tfstrat.cluster.devices import smi_index
+
+    assert smi_index(0, {"CUDA_VISIBLE_DEVICES": "2,3"}) == "2"
+    assert smi_index(1, {"CUDA_VISIBLE_DEVICES": "2, 3"}) == "3"
+    assert smi_index(0, {"CUDA_VISIBLE_DEVICES": "GPU-5a1b"}) == "GPU-5a1b"
+    assert smi_index(1, {}) == "1"
 
 
 AUTO = """

@@ -84,3 +84,13 @@ def test_a_parameter_server_worker_computes_on_its_gpu():
     assert compute_device("chief", 0, 0) == "/job:chief/replica:0/task:0/device:CPU:0"
     with pytest.raises(ValueError, match=r"2 GPUs visible to worker:0.*one worker per GPU"):
         compute_device("worker", 0, 2)
+
+
+def test_auto_counts_the_gpus_this_process_may_use():
+    from tfstrat.cluster.devices import GPU, DeviceInfo
+    from tfstrat.strategies.choice import choose as pick
+
+    two = tuple(GPU(f"/physical_device:GPU:{i}") for i in range(2))
+    assert pick(None, DeviceInfo(8, (), two, True, None, "2.21.0", None))[0] == "MirroredNCCL"
+    hidden = DeviceInfo(8, (), two, True, None, "2.21.0", None, visible_gpus=1)
+    assert pick(None, hidden) == ("default", "one worker, 1 GPU(s), no TPU")

@@ -47,6 +47,8 @@ class DeviceInfo:
         tpu: the TPU's name (`TPU_NAME`, or `local`) if one is configured, else None.
         tensorflow_version: `tf.__version__`.
         keras_version: `keras.__version__`, or None if Keras is missing.
+        visible_gpus: the GPUs this process may use (`tf.config.set_visible_devices` hides
+            some from TensorFlow alone); None: all of `gpus`.
     """
 
     cpu_count: int
@@ -56,16 +58,30 @@ class DeviceInfo:
     tpu: str | None
     tensorflow_version: str
     keras_version: str | None
+    visible_gpus: int | None = None
+
+    @property
+    def usable_gpus(self) -> int:
+        """The GPUs this process may train on."""
+        return len(self.gpus) if self.visible_gpus is None else self.visible_gpus
 
     @property
     def nccl(self) -> bool:
-        """Whether NCCL all-reduce can be used: a CUDA build with two or more GPUs."""
-        return self.cuda_build and len(self.gpus) >= 2
+        """Whether NCCL all-reduce can be used: a CUDA build with a GPU (between this host's
+        GPUs when it has 2+, and across workers with one or more each, as stock)."""
+        return self.cuda_build and len(self.gpus) >= 1
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["nccl"] = self.nccl
         return d
+
+    def _nccl_words(self) -> str:
+        if not self.nccl:
+            return "no (needs a CUDA build and a GPU)"
+        if len(self.gpus) == 1:
+            return "yes, across workers (one GPU here: nothing to all-reduce within this host)"
+        return "yes"
 
     def table(self) -> str:
         """A readable multi-line summary, as `tfstrat devices` prints it."""
@@ -75,7 +91,7 @@ class DeviceInfo:
             ("CPUs", str(self.cpu_count)),
             ("GPUs", str(len(self.gpus))),
             ("CUDA build", "yes" if self.cuda_build else "no"),
-            ("NCCL usable", "yes" if self.nccl else "no (needs a CUDA build and 2+ GPUs)"),
+            ("NCCL usable", self._nccl_words()),
             ("TPU", self.tpu or "none"),
         ]
         width = max(len(k) for k, _ in rows)
@@ -108,6 +124,23 @@ def _gpu_info(tf, device) -> GPU:
     )
 
 
+def smi_index(tf_index: int, environ=None) -> str:
+    """The `nvidia-smi -i` argument for TensorFlow's GPU `tf_index`: nvidia-smi ignores
+    `CUDA_VISIBLE_DEVICES`, which renumbers the GPUs CUDA (and TensorFlow) sees.
+
+    Example:
+        >>> smi_index(0, {"CUDA_VISIBLE_DEVICES": "2,3"})
+        '2'
+        >>> smi_index(1, {})
+        '1'
+    """
+    environ = os.environ if environ is None else environ
+    visible = [g.strip() for g in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    if "CUDA_VISIBLE_DEVICES" in environ and tf_index < len(visible):
+        return visible[tf_index]  # an index or a UUID; nvidia-smi -i takes both
+    return str(tf_index)
+
+
 def _nvidia_smi_memory(name: str) -> int | None:
     """Total memory of a GPU from nvidia-smi, or None; never raises, never waits long."""
     import shutil
@@ -115,7 +148,7 @@ def _nvidia_smi_memory(name: str) -> int | None:
 
     if not shutil.which("nvidia-smi"):
         return None
-    index = name.rsplit(":", 1)[-1]
+    index = smi_index(int(name.rsplit(":", 1)[-1]))
     try:
         out = subprocess.run(
             [
@@ -173,6 +206,7 @@ def devices() -> DeviceInfo:
         tpu=_tpu_name(),
         tensorflow_version=tf.__version__,
         keras_version=keras_version,
+        visible_gpus=len(tf.config.get_visible_devices("GPU")),
     )
 
 

@@ -27,9 +27,9 @@ def choose(tf_config: TFConfig | None, info: DeviceInfo) -> tuple[str, str]:
         )
     if tf_config is not None and tf_config.num_workers > 1:
         return "CollectiveAllReduce", f"TF_CONFIG has {tf_config.num_workers} workers"
-    if len(info.gpus) >= 2:
-        return "MirroredNCCL", f"{len(info.gpus)} local GPUs"
-    return "default", f"one worker, {len(info.gpus)} GPU(s), no TPU"
+    if info.usable_gpus >= 2:
+        return "MirroredNCCL", f"{info.usable_gpus} local GPUs"
+    return "default", f"one worker, {info.usable_gpus} GPU(s), no TPU"
 
 
 def describe(name: str, why: str) -> str:
