@@ -62,6 +62,26 @@ def test_two_workers_equal_single_device(reference, tmp_path, ps):
 
 
 @pytest.mark.cluster
+def test_workers_of_two_devices_fetch_and_push_once_per_table_per_step(reference, tmp_path):
+    """Two workers of two replicas each (logical CPUs), 1 ps: equal to one device, and each
+    worker fetches a table's rows in one call and pushes them in one per step, whatever its
+    replica count (on GPUs a worker's replicas are its GPUs)."""
+    _copy_init(reference, tmp_path)
+    args = ("hybrid_equiv.py", str(tmp_path), "--partitions=2", "--devices=2")
+    code, log = launch_script(*args, workers=2, ps=1)
+    assert code == 0, log[-6000:]
+    _check(tmp_path, reference)
+    for worker in (0, 1):
+        report = json.loads((tmp_path / f"worker_{worker}.json").read_text())
+        for name in ("sgd", "adagrad"):
+            assert report[name]["iterations"] == STEPS
+            calls = report[name]["calls"]
+            assert set(calls) == {"users/embeddings", "items/embeddings"}, calls
+            for table, counts in calls.items():
+                assert counts == {"fetch": STEPS, "push": STEPS}, (worker, name, table, counts)
+
+
+@pytest.mark.cluster
 def test_bytes_per_step_scale_with_rows_touched_not_vocabulary(tmp_path):
     sent = {}
     for scale in (1, 10):

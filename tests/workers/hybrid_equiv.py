@@ -4,7 +4,7 @@ Usage:
     python hybrid_equiv.py OUT --reference --load FILE...   each file's weights -> FILE.npz
     python hybrid_equiv.py OUT --reference      one device, no tfstrat: writes OUT/init.weights.h5
                                                  and OUT/reference.npz (sparse gradients densified)
-    python hybrid_equiv.py OUT [--partitions K] [--vocab-scale S]
+    python hybrid_equiv.py OUT [--partitions K] [--vocab-scale S] [--devices N]
                                                  a Hybrid worker: loads OUT/init.weights.h5, trains,
                                                  the chief saves OUT/<optimizer>.weights.h5;
                                                  writes OUT/<task>.json (placement, bytes to the ps)
@@ -26,6 +26,7 @@ parser.add_argument("--examples", type=int, default=24 * 20)
 parser.add_argument("--steps-only", type=int, default=0, help="train this many steps of sgd only")
 parser.add_argument("--vocab-scale", type=int, default=1)
 parser.add_argument("--load", nargs="*", default=[], help="reference: dump these .weights.h5")
+parser.add_argument("--devices", type=int, default=0, help="logical CPUs (replicas) per worker")
 args = parser.parse_args()
 
 import tfstrat  # noqa: E402
@@ -33,7 +34,9 @@ import tfstrat  # noqa: E402
 strategy = None
 if not args.reference:
     parts = args.partitions if args.partitions == "auto" else int(args.partitions)
-    strategy = tfstrat.Hybrid(partitions=parts, timeout=60)
+    if args.devices:
+        tfstrat.split_cpu(args.devices)
+    strategy = tfstrat.Hybrid(partitions=parts, timeout=60, devices=args.devices or None)
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -86,7 +89,9 @@ for name in ("sgd",) if args.steps_only else ("sgd", "adagrad"):
         stock.fit((x[:24], inputs[1][:24]), y[:24], batch_size=24, verbose=0)
         break
     history = model.fit(inputs, y, batch_size=args.global_batch, epochs=2, shuffle=False, verbose=0)
+    calls = {} if args.reference else {p: dict(t.calls) for p, t in strategy.tables.items()}
     report[name] = {
+        "calls": calls,  # this worker's fetches and pushes of each ps-held table in `fit`
         "loss": history.history["loss"],
         "iterations": int(model.optimizer.iterations.numpy()),
         "evaluate": model.evaluate(inputs, y, batch_size=args.global_batch, verbose=0),

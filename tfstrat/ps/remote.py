@@ -123,17 +123,24 @@ _CHUNK_BYTES = 3 << 20
 
 
 class RemoteTable:
-    """A table on ps tasks: `parts[k] = (ps task, table number, first row, end row)`."""
+    """A table on ps tasks: `parts[k] = (ps task, table number, first row, end row)`.
 
-    def __init__(self, clients: TableClients, name, rows, dim, parts, workers, init: dict):
+    `workers`: the replicas in sync (R); `local`: how many of them each worker process holds
+    (its devices). A worker's replicas fetch their rows in one call and push them summed in
+    one (the first replica's): a step costs one round trip per part per worker, whatever R.
+    """
+
+    def __init__(self, clients: TableClients, name, rows, dim, parts, workers, init, local=1):
         self.clients, self.name, self.rows, self.dim = clients, name, rows, dim
-        self.parts, self.replicas = parts, workers
+        self.parts, self.replicas, self.local = parts, workers, max(1, local)
+        pushers = max(1, workers // self.local)  # the ps waits for one push per worker a step
         last = {ps: number for ps, number, _, _ in parts}  # each ps's last part of the table
         for ps, number, lo, hi in parts:
             # Each part is rows lo..hi of the table one initializer draws whole, as on one device.
             part = dict(init, first=lo, total=rows, last=last[ps] == number)
             spec = np.frombuffer(json.dumps(part).encode(), np.uint8)
-            clients.call(ps, "create", *np.array([number, hi - lo, dim, workers], np.int64), spec)
+            clients.call(ps, "create", *np.array([number, hi - lo, dim, pushers], np.int64), spec)
+        self.calls = {"fetch": 0, "push": 0}  # this process's calls, by kind (tests count them)
 
     def drop(self, droppers: int = 1) -> None:
         """Drops the table on the ps once `droppers` calls (one per worker process) came."""
@@ -249,6 +256,7 @@ class RemoteTable:
             )
 
     def _fetch(self, unique_ids: np.ndarray, step=-1) -> np.ndarray:
+        self.calls["fetch"] += 1
         self._check(unique_ids)
         positions, local = self._split(unique_ids)
         step = np.int64(step)
@@ -262,6 +270,7 @@ class RemoteTable:
         return rows
 
     def _push(self, unique_ids, grads, step, hyper, rows, replica) -> np.int64:
+        self.calls["push"] += 1
         self._check(unique_ids)
         positions, local = self._split(unique_ids)
         calls = [
@@ -285,7 +294,8 @@ class RemoteTable:
         the ps tasks; does not wait for the update (see the module's docstring)."""
         rows = tf.constant(0.0) if rows is None else tf.cast(rows, tf.float32)
         context = tf.distribute.get_replica_context()  # None in cross-replica code: one pusher
-        replica = tf.cast(context.replica_id_in_sync_group if context else 0, tf.int64)
+        replica = context.replica_id_in_sync_group // self.local if context else 0  # the worker
+        replica = tf.cast(replica, tf.int64)
         args = [unique_ids, tf.cast(grads, tf.float32), step, hyper, rows, replica]
         return tf.numpy_function(self._push, args, tf.int64, stateful=True, name="push")
 
@@ -304,16 +314,20 @@ class RemoteTable:
         @tf.custom_gradient
         def rows_of(a):
             step = step_fn()
-            rows = tf.gather(self.fetch(unique, step), index)
+            rows = tf.gather(self._fetch_for_worker(unique, step), index)
 
             def grad(d_rows):
                 summed = tf.math.unsorted_segment_sum(d_rows, index, tf.shape(unique)[0])
-                summed, rows = self._weighted(summed)
+                summed, weight = self._weighted(summed)
+                finite = tf.reduce_all(tf.math.is_finite(summed))  # this replica's rows
+                pusher, (ids, grads, weight) = self._summed_for_worker(unique, summed, weight)
                 if held:
-                    self._hold(unique, summed, rows, step_fn, hyper_fn)
-                    finite = tf.reduce_all(tf.math.is_finite(summed))
+                    if pusher:
+                        self._hold(ids, grads, weight, step_fn, hyper_fn)
                     return tf.zeros_like(a) + tf.cast(tf.where(finite, 0.0, np.nan), a.dtype)
-                sent = self.push(unique, summed, step_fn(), hyper_fn(), rows)
+                if not pusher:  # the worker's first replica pushes for all of them
+                    return tf.zeros_like(a)
+                sent = self.push(ids, grads, step_fn(), hyper_fn(), weight)
                 sent = tf.cast(tf.reshape(sent, []), a.dtype)
                 return tf.zeros_like(a) + 0.0 * sent  # 0, once the pushes are sent
 
@@ -321,6 +335,46 @@ class RemoteTable:
 
         rows = rows_of(anchor)
         return tf.reshape(rows, tf.concat([tf.shape(ids), [self.dim]], 0))
+
+    def _fetch_for_worker(self, unique, step):
+        """This replica's rows of `unique`, fetched in one call for every replica of the worker."""
+        context = tf.distribute.get_replica_context()
+        if self.local <= 1 or context is None or tf.distribute.in_cross_replica_context():
+            return self.fetch(unique, step)
+
+        def fetch_all(strategy, ids, step):
+            ids = strategy.experimental_local_results(ids)
+            together, where = tf.unique(tf.concat(ids, 0))
+            rows = self.fetch(together, strategy.experimental_local_results(step)[0])
+            sizes = tf.stack([tf.shape(i)[0] for i in ids])
+            return tuple(tf.gather(rows, w) for w in tf.split(where, sizes, num=len(ids)))
+
+        every = context.merge_call(fetch_all, args=(unique, step))
+        return every[self._local_index(context)]
+
+    def _summed_for_worker(self, unique, summed, weight):
+        """(whether this replica pushes, (ids, their gradients, weight) summed over the worker's
+        replicas, in replica order); one replica a worker: its own."""
+        context = tf.distribute.get_replica_context()
+        if self.local <= 1 or context is None or tf.distribute.in_cross_replica_context():
+            return True, (unique, summed, weight)
+        weighted = weight is not None
+
+        def sum_all(strategy, ids, grads, weight):
+            ids = tf.concat(strategy.experimental_local_results(ids), 0)
+            grads = tf.concat(strategy.experimental_local_results(grads), 0)
+            together, where = tf.unique(ids)
+            grads = tf.math.unsorted_segment_sum(grads, where, tf.shape(together)[0])
+            return together, grads, tf.add_n(strategy.experimental_local_results(weight))
+
+        ids, grads, total = context.merge_call(
+            sum_all, args=(unique, summed, weight if weighted else tf.constant(0.0))
+        )
+        return self._local_index(context) == 0, (ids, grads, total if weighted else None)
+
+    def _local_index(self, context) -> int:
+        """The replica's place among its worker's replicas (its devices' order)."""
+        return int(tf.get_static_value(context.replica_id_in_sync_group)) % self.local
 
     def _hold(self, unique, summed, rows, step_fn, hyper_fn) -> None:
         """Hands the step's optimizer `send(finite, scale)` instead of pushing now."""

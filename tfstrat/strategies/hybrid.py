@@ -196,6 +196,7 @@ class Hybrid(CollectiveAllReduce):
             layout,
             self.num_replicas_in_sync,
             init,
+            local=len(self.extended.worker_devices),
         )
         self.tables[path] = table  # a later model's table of the same path replaces it here
         logger.info(
