@@ -217,3 +217,18 @@ def test_ctrl_c_stops_the_bench_and_its_tasks_keeping_the_rows_measured(tmp_path
     rows = json.loads((tmp_path / "sparse.json").read_text())
     assert [r["row"] for r in rows] == ["P-1"] and rows[0]["examples_per_s"] > 0
     assert _tasks_with(marker) == [], "tasks left running"
+
+
+def test_scaling_rows_on_a_gpu_host_split_its_gpus_among_the_workers():
+    """A rows train on all 8 GPUs; B-W's W workers split them (the launcher gives each its
+    own); a worker count that does not divide them has no row."""
+    from tfstrat.bench import scaling
+
+    config = scaling.ScalingConfig(workers=(1, 2, 3, 4), threads=1)
+    rows = {r["row"]: r for r in scaling._rows(config, 16, gpus=8)}
+    assert rows["A-1"]["devices_per_worker"] == rows["A-2"]["devices_per_worker"] == 8
+    assert [rows[f"B-{w}"]["devices_per_worker"] for w in (1, 2, 4)] == [8, 4, 2]
+    assert "B-3" not in rows
+    assert "splitting this host's 8 GPUs" in rows["B-2"]["label"]
+    cpu = {r["row"]: r for r in scaling._rows(config, 2)}
+    assert cpu["B-2"]["devices_per_worker"] == 1 and cpu["B-2"]["label"] == "CollectiveAllReduce"

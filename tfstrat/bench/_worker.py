@@ -46,8 +46,10 @@ def _serve_until_chief_exits():
 
 
 def _strategy(tf, name: str, devices: int):
-    """Creates the strategy first, before any other op (collectives start with the program)."""
-    if devices > 1:
+    """Creates the strategy first, before any other op (collectives start with the program).
+    With GPUs, a worker trains on every GPU it sees (`tfstrat launch` gave it its own)."""
+    gpus = bool(tf.config.list_physical_devices("GPU"))
+    if devices > 1 and not gpus:
         import tfstrat
 
         tfstrat.split_cpu(devices)
@@ -61,7 +63,8 @@ def _strategy(tf, name: str, devices: int):
     if name == "collective":
         import tfstrat
 
-        return tfstrat.CollectiveAllReduce(devices=devices if devices > 1 else None, timeout=120)
+        cpus_given = devices if devices > 1 and not gpus else None
+        return tfstrat.CollectiveAllReduce(devices=cpus_given, timeout=120)
     if name.startswith("collective-"):  # "collective-fp16", "collective-bf16", "-powersgdR"
         import tfstrat
 

@@ -55,8 +55,12 @@ def _resolve(config: ScalingConfig, machine: dict) -> ScalingConfig:
     )
 
 
-def _rows(c: ScalingConfig, cpus: int) -> list[dict]:
-    """(row id, label, strategy, workers, devices per worker, threads per process, env)."""
+def _rows(c: ScalingConfig, cpus: int, gpus: int = 0) -> list[dict]:
+    """(row id, label, strategy, workers, devices per worker, threads per process, env).
+
+    On a host with `gpus` GPUs the A rows train on all of them, and B-W's W workers split them
+    (`tfstrat launch` gives each its own: W must divide the count); the seed's B rows used W
+    machines of 8 GPUs each, which `--nodes` runs."""
     d, t = c.devices_per_worker, c.threads
     rows = [
         ("P-1", "one process, no strategy", "none", 1, 1, t, None),
@@ -66,10 +70,25 @@ def _rows(c: ScalingConfig, cpus: int) -> list[dict]:
         rid, label, strategy, workers, threads, env = _report.side_by_side_row(w, t)
         rows.append((rid, label, strategy, workers, 1, threads, env))
     rows += [
-        ("A-1", "MirroredNCCL", "mirrored", 1, d, t, None),
-        ("A-2", "CollectiveAllReduce", "collective", 1, d, t, None),
+        ("A-1", "MirroredNCCL", "mirrored", 1, gpus or d, t, None),
+        ("A-2", "CollectiveAllReduce", "collective", 1, gpus or d, t, None),
     ]
-    rows += [(f"B-{w}", "CollectiveAllReduce", "collective", w, d, t, None) for w in c.workers]
+    if gpus:
+        rows += [
+            (
+                f"B-{w}",
+                f"CollectiveAllReduce, {w} worker(s) splitting this host's {gpus} GPUs",
+                "collective",
+                w,
+                gpus // w,
+                t,
+                None,
+            )
+            for w in c.workers
+            if gpus % w == 0
+        ]
+    else:
+        rows += [(f"B-{w}", "CollectiveAllReduce", "collective", w, d, t, None) for w in c.workers]
     w = max(c.workers)
     if w > 1:  # LocalSGD (changes the algorithm: its rows report accuracy next to B-W's)
         rows += [
@@ -115,7 +134,7 @@ def run(config: ScalingConfig) -> list[dict]:
     """Measures every row, one after another, and writes scaling.{md,json,png} to `config.out`."""
     machine = _report.machine()
     c = _resolve(config, machine)
-    rows = _rows(c, machine["cpus"])
+    rows = _rows(c, machine["cpus"], machine["gpus"])
     try:
         _measure(rows, c, machine)
     except (_report.Interrupted, KeyboardInterrupt):  # Ctrl-C in a row, or between rows
