@@ -1,5 +1,6 @@
 """CollectiveAllReduce: real worker processes started by `tfstrat launch`, against one device."""
 
+import json
 import sys
 
 import numpy as np
@@ -114,6 +115,11 @@ def test_last_partial_batch_equals_single_device(tmp_path):
         tmp_path, 2, "--global-batch", "24", "--examples", "510", "--communication", "ring"
     )
     assert "tcp ring" not in out
+    # Read from the traced step: TensorFlow's ring collectives, the gradients on the CPU.
+    graph = json.loads(str(np.load(tmp_path / "worker_0.npz")["sgdm/graph"]))
+    assert graph["hints"].get("ring", 0) > 0 and "nccl" not in graph["hints"], graph
+    assert graph["gradient_devices"], graph
+    assert all("device:CPU:0" in d for d in graph["gradient_devices"]), graph
 
 
 def test_clipping_applies_to_the_aggregated_gradient(tmp_path):

@@ -63,6 +63,11 @@ def test_collective_all_reduce_one_gpu_per_worker_over_nccl_equals_single_device
     assert code == 0, out[-6000:]
     assert "tfstrat launch: GPUs (CUDA_VISIBLE_DEVICES): worker:0 GPU " in out, out[-3000:]
     assert "nccl all-reduce" in out, out[-3000:]
+    for i in range(2):  # read from the traced step: NCCL collectives, no gradient op on a CPU
+        graph = json.loads(str(np.load(tmp_path / f"worker_{i}.npz")["sgdm/graph"]))
+        assert graph["hints"].get("nccl", 0) > 0, graph
+        assert graph["gradient_devices"], graph
+        assert not any("CPU" in d for d in graph["gradient_devices"]), graph
     proc = subprocess.run(
         [sys.executable, "collective_equiv.py", str(tmp_path), "--reference"],
         cwd=WORKERS,

@@ -8,6 +8,7 @@ With --reference it runs the same thing on one device (sparse gradients densifie
 """
 
 import argparse
+import json
 import os
 
 import numpy as np
@@ -43,6 +44,7 @@ if ring is not None:
 
     ring.exchange = counted
 
+import graphs  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from common import build_model, compile_model, data, optimizer  # noqa: E402
 
@@ -66,6 +68,8 @@ for name in ("sgdm", "adam"):
         validation_data=(x[:48], y[:48]),
     )
     results[f"{name}/val_loss"] = np.array(history.history["val_loss"])
+    if not args.reference:  # the traced step: its collectives and its gradient ops' devices
+        results[f"{name}/graph"] = np.array(json.dumps(graphs.summary(model)))
     for i, w in enumerate(model.weights):
         results[f"{name}/w{i}"] = w.numpy()
     results[f"{name}/iterations"] = np.array(model.optimizer.iterations.numpy())
