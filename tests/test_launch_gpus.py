@@ -54,8 +54,28 @@ def test_ps_tasks_get_none_and_counts_that_do_not_split_are_refused():
         gpus.bind(W[:2], [], per_task=1)
     with pytest.raises(ValueError, match="gpus_per_task=0"):
         gpus.bind(W[:2], ["0", "1"], per_task=0)
+    with pytest.raises(ValueError, match=r"at most 2 training task\(s\) here; or --gpus none"):
+        gpus.bind(W[:3], ["0", "1"])
     with pytest.raises(ValueError, match="does not split evenly"):  # refused before any start
         LaunchConfig(["true"], workers=3, gpus=["0", "1"])
+
+
+def test_found_gpus_that_do_not_split_are_left_unbound_and_none_hides_them_all():
+    found = {"CUDA_VISIBLE_DEVICES": "0"}  # one GPU, two workers: CPU training on a GPU host
+    binding, note = gpus.plan(W[:2], ["ps:0"], environ=found)
+    assert binding == {} and "1 GPU(s) (0) do not split evenly among 2" in note
+    assert "--gpus none hides them" in note
+    with pytest.raises(ValueError, match="gpus_per_task=1 for 2 training task"):  # named: refused
+        gpus.plan(W[:2], [], per_task=1, environ=found)
+    for hidden in ([], ["none"]):
+        assert gpus.plan(W[:2], ["ps:0"], hidden, environ=found) == (
+            {"worker:0": "", "worker:1": "", "ps:0": ""},
+            None,
+        )
+    assert gpus.plan(W[:2], [], environ=found | {"CUDA_VISIBLE_DEVICES": "3,4"}) == (
+        {"worker:0": "3", "worker:1": "4"},
+        None,
+    )
 
 
 def test_the_gpus_to_hand_out_come_from_the_flag_then_cuda_visible_devices():

@@ -333,3 +333,28 @@ def test_a_ps_held_table_refuses_settings_it_cannot_apply_and_takes_weight_decay
     biases_only = keras.optimizers.AdamW()  # keras-hub's recipe: the tables decay
     biases_only.exclude_from_weight_decay(var_names=["bias", "gamma", "beta"])
     assert _ps_tables.uses_weight_decay(biases_only, layer)
+
+
+def test_a_slot_the_ps_cannot_keep_is_refused_when_the_optimizer_builds():
+    """Adam(amsgrad=True)'s velocity_hat, EMA's average: Keras would make each the size of
+    the whole table on every worker; refused at build, naming the table and the fix."""
+    import types
+
+    import keras
+
+    from tfstrat.keras import _ps_tables
+    from tfstrat.keras._ps_weights import SlotWeight, TableWeight
+
+    _ps_tables.install()
+    layer = types.SimpleNamespace(name="items")
+    held = types.SimpleNamespace(shape=(100_000, 64), layer=layer, remote=None)
+    with keras.name_scope("items"):
+        weight = TableWeight(held, trainable=True, name="embeddings")
+    assert tuple(weight.shape) == (100_000, 64) and weight.value.shape == ()
+    adam = keras.optimizers.Adam()
+    adam.build([weight])
+    assert all(isinstance(v, SlotWeight) for v in adam.variables[2:])  # scalars on the worker
+    assert all(v.value.shape == () for v in adam.variables[2:])
+    for optimizer in (keras.optimizers.Adam(amsgrad=True), keras.optimizers.SGD(use_ema=True)):
+        with pytest.raises(ValueError, match=r"slot for items/embeddings.*sparse=\['!items'\]"):
+            optimizer.build([weight])

@@ -28,7 +28,7 @@ def test_a_step_applies_once_every_replica_pushed_summing_in_replica_order():
 def test_a_second_push_of_one_replica_in_a_step_is_refused_naming_the_cause():
     t = _table()
     t.push(0, [1], np.ones((1, 2), "f4"), SGD, 1.0, replica=0)
-    with pytest.raises(ValueError, match=r"replica 0 pushed step 0 twice.*called twice"):
+    with pytest.raises(ValueError, match=r"worker 0 pushed step 0 twice.*called twice"):
         t.push(0, [2], np.ones((1, 2), "f4"), SGD, 1.0, replica=0)
     with pytest.raises(ValueError, match=r"a push for step 1 while step 0 has 1 of 2 pushes"):
         t.push(1, [2], np.ones((1, 2), "f4"), SGD, 1.0, replica=1)
@@ -90,7 +90,7 @@ def test_a_lookup_of_the_next_step_waits_until_the_step_is_applied():
 def test_a_lookup_names_the_replicas_that_never_pushed():
     t = Table(6, 2, 3, {"zeros": True, "timeout": 0.4})  # waits 3/4 of the workers' timeout
     t.push(4, [1], np.ones((1, 2), "f4"), SGD, 1.0, replica=1)
-    with pytest.raises(ValueError, match=r"step 4's pushes; replica\(s\) \[0, 2\] never pushed"):
+    with pytest.raises(ValueError, match=r"step 4's pushes; worker\(s\) \[0, 2\] never pushed"):
         t.lookup([1], 5)
 
 

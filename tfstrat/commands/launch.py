@@ -179,9 +179,9 @@ def add_parser(sub) -> None:
         "--gpus",
         default=_args.env("gpus", None, str),
         metavar="LIST",
-        help="the GPUs to hand out, e.g. 0,1,2,3 (default: this launcher's "
-        "CUDA_VISIBLE_DEVICES, else every GPU the NVIDIA driver lists): each chief and worker "
-        "task gets its own CUDA_VISIBLE_DEVICES, the same number each, ps tasks none",
+        help="the GPUs to hand out, e.g. 0,1,2,3, or none to hide them all (default: this "
+        "launcher's CUDA_VISIBLE_DEVICES, else every GPU the NVIDIA driver lists): each chief "
+        "and worker task gets its own CUDA_VISIBLE_DEVICES, the same number each, ps tasks none",
     )
     g.add_argument(
         "--gpus-per-task",

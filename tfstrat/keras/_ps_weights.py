@@ -107,8 +107,17 @@ def slot_for(optimizer, reference, name: str, initializer) -> SlotWeight | None:
     Keras's `add_variable_from_reference` tracks a slot; None for any other variable."""
     from tfstrat.ps.tables import SLOTS
 
-    if not isinstance(reference, TableWeight) or name not in SLOTS:
+    if not isinstance(reference, TableWeight):
         return None
+    if name not in SLOTS:  # else Keras would make a whole table's slot on every worker
+        layer = reference._held.layer.name
+        raise UsageError(
+            f"Received: {type(optimizer).__name__}, which keeps a {name!r} slot for "
+            f"{reference.path}, a table Hybrid holds on the ps tasks. The ps updates its rows "
+            "with SGD (with or without momentum), Adagrad, Adam (not amsgrad) or RMSprop (not "
+            "centered), without EMA or gradient accumulation: use one of those, or keep this "
+            f"table mirrored: Hybrid(sparse=['!{layer}'])."
+        )
     initializer = keras.initializers.get(initializer)
     fill = float(np.asarray(initializer((), dtype="float32")))
     with keras.name_scope(optimizer.name, caller=optimizer):

@@ -115,10 +115,11 @@ class LaunchConfig:
             (the job is stopped after its step and grows).
         rejoin_window: seconds a restart's rendezvous waits for nodes that still answer but
             have not joined; the first waits `peer_timeout` for every node to start.
-        gpus: the GPUs to hand out ("0", "1", ... or UUIDs); None: this launcher's
-            CUDA_VISIBLE_DEVICES, else every GPU the NVIDIA driver lists. Each chief and
-            worker task this launcher starts gets its own (`tfstrat.launcher.gpus`), ps tasks
-            none; no GPU found: tasks see what the launcher sees.
+        gpus: the GPUs to hand out ("0", "1", ... or UUIDs; [] or ["none"]: hide every GPU
+            from every task); None: this launcher's CUDA_VISIBLE_DEVICES, else every GPU the
+            NVIDIA driver lists. Each chief and worker task this launcher starts gets its own
+            (`tfstrat.launcher.gpus`), ps tasks none; no GPU found, or found ones that do not
+            split evenly: tasks see what the launcher sees (said in a line).
         gpus_per_task: GPUs per chief and worker task; None: all of them split evenly.
     """
 
@@ -371,14 +372,15 @@ def _local_cluster(config: LaunchConfig) -> TFConfig:
     return TFConfig.local(workers=config.workers, ps=config.ps, chief=config.chief)
 
 
-def gpu_binding(config: LaunchConfig) -> dict[str, str]:
-    """{task name: CUDA_VISIBLE_DEVICES} for the tasks this launcher starts ({}: no GPUs)."""
+def gpu_binding(config: LaunchConfig) -> tuple[dict[str, str], str | None]:
+    """({task name: CUDA_VISIBLE_DEVICES} for the tasks this launcher starts ({}: unbound),
+    a line to print or None): `tfstrat.launcher.gpus.plan`."""
     names = [f"{t}:{i}" for t, i in _roles(config)]
-    return _gpus.bind(
+    return _gpus.plan(
         [n for n in names if not n.startswith("ps:")],
-        _gpus.available(config.gpus),
+        [n for n in names if n.startswith("ps:")],
+        config.gpus,
         config.gpus_per_task,
-        others=[n for n in names if n.startswith("ps:")],
     )
 
 
@@ -465,9 +467,9 @@ class _Attempt:
         server = [sys.executable, "-m", "tfstrat", "server"]
         roles = _roles(config)
         shown = _shown(config, roles)
-        cuda = gpu_binding(config)
-        if cuda:
-            out.write(_gpus.describe(cuda) + "\n")
+        cuda, note = gpu_binding(config)
+        if cuda or note:
+            out.write((note or _gpus.describe(cuda)) + "\n")
         self.ps: list[Task] = []
         self.train: list[Task] = []
         try:

@@ -7,11 +7,14 @@ as torchrun, Horovod and SLURM's `SlurmClusterResolver` do, each training task (
 workers) gets its own GPUs, the same number each, and ps tasks (which hold variables and
 tables on the host) get none. TensorFlow-free, like the rest of the launcher.
 
-The GPUs to hand out: `gpus` when given (`--gpus 0,1,...`), else the launcher's own
-`CUDA_VISIBLE_DEVICES` when set, else the NVIDIA driver's list (`/proc/driver/nvidia/gpus`);
-none found: nothing is set and every task sees what the launcher sees. A task's GPUs are
-listed as the launcher knows them (the indices or UUIDs of its `CUDA_VISIBLE_DEVICES`), so
-inside a restricted launcher they stay inside its set.
+The GPUs to hand out: `gpus` when given (`--gpus 0,1,...`; `--gpus none` hides every GPU from
+every task, for CPU training on a GPU host), else the launcher's own `CUDA_VISIBLE_DEVICES`
+when set, else the NVIDIA driver's list (`/proc/driver/nvidia/gpus`); none found: nothing is
+set and every task sees what the launcher sees. A task's GPUs are listed as the launcher knows
+them (the indices or UUIDs of its `CUDA_VISIBLE_DEVICES`), so inside a restricted launcher they
+stay inside its set. GPUs found (not named) that do not split evenly among the training tasks
+are not bound, with a line that says so; named ones (`--gpus`, `--gpus-per-task`) that do not
+split are refused.
 """
 
 from __future__ import annotations
@@ -79,11 +82,16 @@ def bind(
         return {name: "" for name in others}
     if per_task is None:
         if len(gpus) % len(trainers):
+            fix = (
+                f"--gpus-per-task {len(gpus) // len(trainers)} (or --gpus with a multiple of the "
+                "task count)"
+                if len(gpus) > len(trainers)
+                else f"at most {len(gpus)} training task(s) here"
+            )
             raise UsageError(
                 f"Received: {len(gpus)} GPU(s) ({','.join(gpus)}) for {len(trainers)} training "
                 f"task(s) on this machine, which does not split evenly. Give each task the "
-                f"same number: --gpus-per-task {max(1, len(gpus) // len(trainers))} (or --gpus "
-                "with a multiple of the task count)."
+                f"same number: {fix}; or --gpus none to train on the CPUs."
             )
         per_task = len(gpus) // len(trainers)
     if per_task * len(trainers) > len(gpus):
@@ -97,6 +105,34 @@ def bind(
     }
     out.update({name: "" for name in others})
     return out
+
+
+def plan(
+    trainers: Sequence[str],
+    others: Sequence[str],
+    gpus: Sequence[str] | None = None,
+    per_task: int | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> tuple[dict[str, str], str | None]:
+    """(`bind`'s {task: CUDA_VISIBLE_DEVICES}, a line to print or None) for the launcher's
+    flags: `gpus` None (found), [] or ["none"] (hide them all), or names.
+
+    Raises:
+        UsageError: named GPUs or `per_task` that cannot be split so.
+    """
+    if gpus is not None and [g.strip().lower() for g in gpus if g.strip()] in ([], ["none"]):
+        return {name: "" for name in [*trainers, *others]}, None
+    found = available(gpus, environ)
+    if gpus is not None or per_task is not None:
+        return bind(trainers, found, per_task, others), None
+    try:
+        return bind(trainers, found, None, others), None
+    except UsageError:
+        return {}, (
+            f"tfstrat launch: {len(found)} GPU(s) ({','.join(found)}) do not split evenly among "
+            f"{len(trainers)} training task(s): every task sees all of them (--gpus-per-task N "
+            "or --gpus LIST gives each its own; --gpus none hides them)"
+        )
 
 
 def describe(binding: Mapping[str, str]) -> str:

@@ -141,6 +141,7 @@ class RemoteTable:
             spec = np.frombuffer(json.dumps(part).encode(), np.uint8)
             clients.call(ps, "create", *np.array([number, hi - lo, dim, pushers], np.int64), spec)
         self.calls = {"fetch": 0, "push": 0}  # this process's calls, by kind (tests count them)
+        self._counting = threading.Lock()
 
     def drop(self, droppers: int = 1) -> None:
         """Drops the table on the ps once `droppers` calls (one per worker process) came."""
@@ -255,8 +256,12 @@ class RemoteTable:
                 "Embedding inputs must be in [0, input_dim)."
             )
 
+    def _count(self, kind: str) -> None:
+        with self._counting:  # numpy_function calls come from TensorFlow's threads
+            self.calls[kind] += 1
+
     def _fetch(self, unique_ids: np.ndarray, step=-1) -> np.ndarray:
-        self.calls["fetch"] += 1
+        self._count("fetch")
         self._check(unique_ids)
         positions, local = self._split(unique_ids)
         step = np.int64(step)
@@ -270,7 +275,7 @@ class RemoteTable:
         return rows
 
     def _push(self, unique_ids, grads, step, hyper, rows, replica) -> np.int64:
-        self.calls["push"] += 1
+        self._count("push")
         self._check(unique_ids)
         positions, local = self._split(unique_ids)
         calls = [
@@ -349,6 +354,8 @@ class RemoteTable:
             sizes = tf.stack([tf.shape(i)[0] for i in ids])
             return tuple(tf.gather(rows, w) for w in tf.split(where, sizes, num=len(ids)))
 
+        if not _in_replica_graph():  # a loop's body, a cond: no merge_call; each its own
+            return self.fetch(unique, step)
         every = context.merge_call(fetch_all, args=(unique, step))
         return every[self._local_index(context)]
 
@@ -367,6 +374,14 @@ class RemoteTable:
             grads = tf.math.unsorted_segment_sum(grads, where, tf.shape(together)[0])
             return together, grads, tf.add_n(strategy.experimental_local_results(weight))
 
+        if not _in_replica_graph():
+            raise UsageError(
+                f"Table {self.name!r}: trained inside a loop or cond of the step (Keras's "
+                f"steps_per_execution > 1, a layer called in a while loop) on a worker of "
+                f"{self.local} devices, whose replicas push a step's rows together. Use "
+                "steps_per_execution=1, or one device per worker (`tfstrat launch` gives each "
+                "worker its own GPU)."
+            )
         ids, grads, total = context.merge_call(
             sum_all, args=(unique, summed, weight if weighted else tf.constant(0.0))
         )
@@ -406,6 +421,12 @@ class RemoteTable:
         rows = tf.cast(_step.rows, grads.dtype)
         # multiply_no_nan: a replica without rows pushes no ids; its weight is 0.
         return tf.math.multiply_no_nan(grads, rows * self.replicas), rows
+
+
+def _in_replica_graph() -> bool:
+    """Whether ops made now go into the replica function's own graph: not a cond's branch or
+    a loop's body, where a MirroredStrategy `merge_call` cannot run (TF 2.21 raises)."""
+    return not getattr(tf.compat.v1.get_default_graph(), "is_control_flow_graph", False)
 
 
 def optimizer_kind(optimizer) -> str | None:

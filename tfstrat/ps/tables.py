@@ -30,7 +30,8 @@ weighting `tfstrat.strategies._exact_step` gives mirrored variables) before any 
 Adagrad, Adam, RMSprop) or slot sees it. Pushes of weight 0 (a step whose loss Keras did not
 scale, a partition trial) are summed as they are. A step whose pushes carry the optimizer kind
 -1 was skipped by the loss scaling on every worker (`mixed_float16`, `tfstrat.keras._loss_scale`):
-it is counted and nothing is applied, not even weight decay. Each replica pushes once per step (a second
+it is counted and nothing is applied, not even weight decay. Each worker pushes once per step (a
+worker's replicas push together, `tfstrat.ps.remote`; a second
 push is refused, naming the cause). The steps are `tfstrat.ps.rowmath`'s: SGD and Adagrad equal
 Keras's dense update on the same gradient; Adam, SGD with momentum and RMSprop are the lazy
 variants (rows not in the batch keep their slots and values).
@@ -167,7 +168,7 @@ class Table:
             missing = sorted(set(range(self.workers)) - set(self.pending))
             raise UsageError(
                 f"tfstrat table: waited {self.wait_s:g} s for step {self.pending_step}'s "
-                f"pushes; replica(s) {missing} never pushed (of {self.workers}). A worker "
+                f"pushes; worker(s) {missing} never pushed (of {self.workers}). A worker "
                 "failed or stopped early; its own output says why."
             )
 
@@ -187,7 +188,7 @@ class Table:
                 )
             if replica in self.pending:
                 raise UsageError(
-                    f"tfstrat table: replica {replica} pushed step {step} twice. Is the "
+                    f"tfstrat table: worker {replica} pushed step {step} twice. Is the "
                     "Embedding layer called twice in one step? Call each layer once per step "
                     "(reuse its output), or keep the table mirrored: Hybrid(sparse=[...])."
                 )

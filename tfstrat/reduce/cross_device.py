@@ -332,8 +332,11 @@ class RingCalls:
             made = graph.get_operations()[self._seen.get(graph, 0) :]
             deps += [op for op in made if op.type in self._CONTROL_FLOW]
         outer = getattr(graph, "outer_graph", None)
-        if last is None and outer is not None and self._last.get(outer) is not None:
-            deps.append(self._last[outer])  # a branch's first call: after the enclosing one's
+        while last is None and outer is not None:  # a branch's first call: after the nearest
+            last = self._last.get(outer)  # enclosing graph's last one
+            if last is not None:
+                deps.append(last)
+            outer = getattr(outer, "outer_graph", None)
         return deps
 
     def call(self, fn, inputs, shapes, name):

@@ -118,7 +118,7 @@ def replica_step(model, fn):
                 return logs if logs is not None else _logs(model, [], [])
             return _logs(model, _step.metrics, _step.states)
         finally:
-            _step.rows = _step.pending = _step.metrics = _step.states = None
+            _step.rows = _step.pending = _step.metrics = _step.states = _step.pushes = None
             _step.scaled = False
 
     return step

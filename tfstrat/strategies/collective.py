@@ -282,6 +282,11 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
         self._transport = transport.choose(
             communication, replicas, _workers(tf_config), _cuda_build(), virtual
         )
+        # The replicas the transport was chosen for. Named whenever they are GPUs: stock would
+        # ask TF_CONFIG's resolver, which counts no accelerators, and train on the CPU. (One
+        # CPU: stock's own device, the worker's.)
+        gpu = all("GPU:" in d for d in replicas)
+        local = replicas if devices is not None or gpu else None
         tcp = self._uses_tcp_ring(communication, count, tf_config)
         compression = _compression.parse(compression)
         if compression is not None and not tcp and _workers(tf_config) > 1:
@@ -312,9 +317,7 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
             try:
                 distribute_lib.Strategy.__init__(
                     self,
-                    self._extended_class(
-                        self, resolver, options, None if devices is None else replicas, self.density
-                    ),
+                    self._extended_class(self, resolver, options, local, self.density),
                 )
             except RuntimeError as e:
                 if "at program startup" not in str(e):

@@ -37,7 +37,7 @@ from tfstrat.ps.connect import Heartbeat, connect
 from tfstrat.ps.sync import SyncReplicas
 from tfstrat.ps.tables import rpc_address
 from tfstrat.reduce.sparse import dedup
-from tfstrat.strategies import _compute, _exact_step, _reuse, _stopping
+from tfstrat.strategies import _compute, _custom_loops, _exact_step, _reuse, _stopping
 from tfstrat.strategies import agreement as _agreement
 
 logger = logging.getLogger(__name__)
@@ -228,6 +228,9 @@ class ParameterServer(distribute_lib.Strategy):
             _Extended(self, device, tf_config=tf_config, worker=worker, timeout=timeout)
         )
         self.mode = mode
+        self._tfstrat_refuses_custom_loops = mode == "sync"
+        if mode == "sync":
+            _custom_loops.refuse_under_ps_sync()
         self.partitions = partitions
         self.partition_bytes = partition_bytes
         self._options = dict(
@@ -477,6 +480,7 @@ class ParameterServer(distribute_lib.Strategy):
         if optimizer is None or id(optimizer) in self._adopted:
             return
         self._adopted.add(id(optimizer))
+        _custom_loops.adopted(optimizer)
         self._warn_stock_embeddings(model)
         logger.info("tfstrat: %s", self.placement_summary())
         where = [f"{w.path} ps:{psvars.ps_index_of(w.value)}" for w in model.weights]
