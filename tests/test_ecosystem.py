@@ -44,6 +44,8 @@ def out(tmp_path_factory):
 
 def _check(out: str, kind: str, patterns: list[str], reference: str = REFERENCE) -> None:
     failures = []
+    # Every task reported: one process under MirroredNCCL, both workers elsewhere.
+    tasks = ["main"] if kind == "mirrored" else ["worker0", "worker1"]
     for pattern in patterns:
         if pattern in RUNS_ONLY:
             failures += _ran(out, pattern, kind)
@@ -51,6 +53,8 @@ def _check(out: str, kind: str, patterns: list[str], reference: str = REFERENCE)
         result = compare(out, pattern, kind, reference=reference)
         if result["cell"] != "exact":
             failures.append(f"{pattern}: {result['cell']}")
+        elif result["tasks"] != tasks:
+            failures.append(f"{pattern}: results from {result['tasks']}, expected {tasks}")
     for task, run in load(out, "hub_save_resume", kind).items():
         if isinstance(run, dict):  # a worker's own file, loaded back, is what it saved
             assert float(run["m:own_file/max_difference"]) == 0.0, (task, kind)

@@ -80,3 +80,16 @@ def test_patterns_mirrored_nccl_equal_one_device(out):
 def test_patterns_collective_all_reduce_equal_one_device(out):
     run_strategy("collective", FAST, out)
     _check(out, "collective", replicas=2)
+
+
+def test_a_nan_weight_is_never_judged_exact():
+    """NaN compares false with everything: Python's max() would drop it and call the run
+    exact. Any weight that is not finite makes the run fail."""
+    import numpy as np
+    from compare import differences
+
+    ref = {"w0": np.ones(3), "w1": np.ones(2), "m:loss": 1.0}
+    run = {"w0": np.ones(3), "w1": np.array([1.0, np.nan]), "m:loss": 1.0}
+    dw, dm, _ = differences(run, ref)
+    assert dw == float("inf") and dm == 0.0
+    assert differences(ref, ref)[0] == 0.0

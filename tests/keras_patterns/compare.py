@@ -38,7 +38,10 @@ def _relative(w, r) -> float:
         return float("inf")
     # A weight that stays near zero (a bias before BatchNormalization gets no gradient) is
     # compared absolutely: relative differences of rounding noise mean nothing.
-    return float(np.linalg.norm(w - r) / max(np.linalg.norm(r), FLOOR))
+    value = float(np.linalg.norm(w - r) / max(np.linalg.norm(r), FLOOR))
+    # NaN compares false with everything, so Python's max() would drop it: a NaN weight would
+    # read as exact. Not finite is infinitely far.
+    return value if np.isfinite(value) else float("inf")
 
 
 def metric_differences(run: dict, ref: dict) -> dict[str, float]:
