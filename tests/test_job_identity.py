@@ -124,3 +124,33 @@ def test_a_secret_file_gives_launched_and_hand_started_tasks_one_secret(tmp_path
             bad.write_text("  \n")
         with pytest.raises(UsageError, match=words):
             LaunchConfig(command, secret_file=str(bad))
+
+
+def test_refusals_are_logged_once_per_address_and_stop_at_the_cap(monkeypatch):
+    """A scanner must not flood the log: one line per address, and past the cap one last
+    line, then nothing (the cap once stopped guarding: every new address logged again)."""
+    import logging
+
+    class Peer:
+        def __init__(self, host):
+            self.host = host
+
+        def getpeername(self):
+            return (self.host, 4242)
+
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    log = logging.getLogger("tfstrat.cluster.secret")
+    log.addHandler(handler)
+    monkeypatch.setattr(secret, "REFUSALS_LOGGED", 3)
+    monkeypatch.setattr(secret, "_refused", set())
+    try:
+        for i in range(10):
+            secret._log_refusal(Peer(f"10.9.0.{i}"), "the ring", "no proof")
+            secret._log_refusal(Peer(f"10.9.0.{i}"), "the ring", "no proof")  # again: no line
+    finally:
+        log.removeHandler(handler)
+    assert len(lines) == 4, lines
+    assert all("refused a connection from 10.9.0." in line for line in lines[:3])
+    assert "refused connections from 3 addresses; further refusals are not logged" in lines[3]

@@ -53,7 +53,8 @@ _MAC = 32
 HANDSHAKE_SECONDS = 10.0
 
 _warned_open = False
-_refused: set[str] = set()
+_refused: set[str] = set()  # addresses whose refusal was logged ("": the cap's last line)
+REFUSALS_LOGGED = 4096
 
 
 class Refused(ConnectionError):
@@ -231,7 +232,17 @@ def _log_refusal(sock: socket.socket, what: str, why: str):
         host, port = sock.getpeername()[:2]
     except OSError:
         host, port = "a closed peer", ""
-    if host not in _refused:  # once per address: a scanner must not flood the log
-        if len(_refused) < 4096:
-            _refused.add(host)
-        logger.warning("tfstrat: %s refused a connection from %s:%s: %s", what, host, port, why)
+    if host in _refused:  # once per address: a scanner must not flood the log
+        return
+    if len(_refused) >= REFUSALS_LOGGED:  # nor one of many addresses: one last line
+        if "" not in _refused:
+            _refused.add("")
+            logger.warning(
+                "tfstrat: %s refused connections from %d addresses; further refusals are not "
+                "logged",
+                what,
+                REFUSALS_LOGGED,
+            )
+        return
+    _refused.add(host)
+    logger.warning("tfstrat: %s refused a connection from %s:%s: %s", what, host, port, why)
