@@ -25,9 +25,12 @@ def _weights(npz):
 
 @pytest.mark.timeout(420)
 def test_ray_train_runs_every_strategy_equal_to_single_device(tmp_path):
-    pytest.importorskip(
-        "ray.train", reason="the ray tier needs the `ray` extra (pip install tfstrat[ray])"
-    )
+    try:
+        import ray.train  # noqa: F401
+    except ImportError as e:  # scripts/test installs the extra: in CI a missing one fails
+        if os.environ.get("CI", "").lower() in ("1", "true"):
+            pytest.fail(f"CI must run the ray tier, but `import ray.train` failed: {e}")
+        pytest.skip("the ray tier needs the `ray` extra (pip install tfstrat[ray])")
     proc = subprocess.run(
         [sys.executable, "ray_equiv.py", str(tmp_path), *STRATEGIES],
         cwd=WORKERS,
