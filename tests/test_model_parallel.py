@@ -83,6 +83,8 @@ def test_mlp_on_every_mesh_with_checkpoints(tmp_path):
     assert result["plain_to_sharded_slots"] == 0.0
     assert result["loaded_held"], "a plain Keras file loads into split variables"
     assert result["resumed"] == 0.0 and result["resumed_slots"] == 0.0
+    # It resumed: it trained epoch 1 only (a restart from scratch ends at the same weights).
+    assert result["resumed_epochs"] == [1], result["resumed_epochs"]
     assert "up (Dense): kernel (12, 16) split on dimension 1, bias (16,) split" in err
     assert "column-parallel" in err and "down (Dense): kernel (16, 12) split on dimension 0" in err
 

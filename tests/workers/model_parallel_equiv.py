@@ -235,6 +235,10 @@ for opt in OPTIMIZERS.split(","):
                 pass
             with strategy.scope():
                 resumed = build(opt)
+            trained = []  # the epochs the resumed run trains: [1] if it resumed, [0, 1] if not
+            record = keras.callbacks.LambdaCallback(
+                on_epoch_begin=lambda e, _, t=trained: t.append(e)
+            )
             resumed.fit(
                 x,
                 y,
@@ -242,8 +246,9 @@ for opt in OPTIMIZERS.split(","):
                 epochs=EPOCHS,
                 shuffle=False,
                 verbose=0,
-                callbacks=[keras.callbacks.BackupAndRestore(backup)],
+                callbacks=[keras.callbacks.BackupAndRestore(backup), record],
             )
+            results["resumed_epochs"] = trained
             results["resumed"] = diff(model.get_weights(), resumed.get_weights())
             results["resumed_slots"] = diff(model.optimizer.variables, resumed.optimizer.variables)
 
