@@ -145,6 +145,12 @@ def test_losing_a_node_ends_where_an_uninterrupted_run_ends(net, uninterrupted, 
     assert resumed, log
     took = min(s[4] for s in resumed) - killed_at
     assert 0 < took < BACK_WITHIN, (took, log)
+    # Each later attempt resumed from a backup: it starts in epoch 1 (the kill came after
+    # epoch 1's batch 2; a restart from scratch would begin at epoch 0 batch 0 and end at the
+    # same weights) and trains fewer than the 24 steps of a whole run.
+    for attempt in sorted({s[2] for s in resumed}):
+        mine = [(s[0], s[1]) for s in resumed if s[2] == attempt]
+        assert min(mine) >= (1, 0) and len(mine) < 3 * 8, (attempt, mine, log)
     print(f"{case}: {took:.1f} s from the kill to a step trained again")  # pytest -rP shows it
     workers = {s[2]: s[3] for s in steps}
     if back:  # two nodes, then three again; growing uses no restart
