@@ -48,6 +48,14 @@ def test_two_workers_equal_single_device(reference, tmp_path, ps):
     for name in ("sgd", "adagrad"):
         assert report[name]["iterations"] == STEPS
         assert report[name]["predict_rows"] == 480
+    # Every worker's per-epoch losses (global logs) and evaluate: one device's, alike on both.
+    expected = json.loads((reference / "reference.json").read_text())
+    chief = json.loads((tmp_path / "worker_0.json").read_text())
+    for name in ("sgd", "adagrad"):
+        for key in ("loss", "evaluate"):
+            assert chief[name][key] == report[name][key], (name, key)
+            mine, ref = np.asarray(report[name][key]), np.asarray(expected[name][key])
+            assert np.allclose(mine, ref, rtol=1e-5, atol=1e-6), (name, key, mine, ref)
     dense = report["dense_devices"]
     assert all(d.startswith("/job:worker/") for p, d in dense.items() if "dense" in p), dense
     if ps:  # both tables on the ps task, in two parts each; nothing of them on the workers

@@ -107,6 +107,8 @@ for name in ("sgd",) if args.steps_only else ("sgd", "adagrad"):
 
 if args.reference:
     np.savez(os.path.join(args.out, "reference.npz"), **arrays)
+    with open(os.path.join(args.out, "reference.json"), "w") as f:  # its losses, evaluate
+        json.dump(report, f, indent=1)
 else:
     report["placement"] = strategy.placement()
     report["dense_devices"] = {
