@@ -23,27 +23,8 @@ TOLERANCE = 1e-5
 FP32 = {"NVIDIA_TF32_OVERRIDE": "0", "TF_FORCE_GPU_ALLOW_GROWTH": "true"}
 
 
-def test_mirrored_nccl_over_every_gpu_equals_single_device(tmp_path):
-    out = tmp_path / "result.json"
-    proc = subprocess.run(
-        [sys.executable, "mirrored_equiv.py", "gpu", "auto", str(out)],
-        cwd=WORKERS,
-        capture_output=True,
-        text=True,
-        timeout=500,
-        env={**os.environ, **FP32},
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
-    n = result["replicas"]
-    assert n >= 2, result
-    for name in ("sgdm", "adam"):
-        assert max(result[name]) <= TOLERANCE, (name, result[name])
-        assert result[f"{name}_iterations"] == 24
-        assert result[f"{name}_predict_rows"] == 8 * n * 24
-
-
-def _run(*args):
+def _run(*args) -> str:
+    """`python ARGS...` in tests/workers, float32 on the GPUs; its output."""
     proc = subprocess.run(
         [sys.executable, *args],
         cwd=WORKERS,
@@ -54,6 +35,18 @@ def _run(*args):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
+
+
+def test_mirrored_nccl_over_every_gpu_equals_single_device(tmp_path):
+    out = tmp_path / "result.json"
+    _run("mirrored_equiv.py", "gpu", "auto", str(out))
+    result = json.loads(out.read_text())
+    n = result["replicas"]
+    assert n >= 2, result
+    for name in ("sgdm", "adam"):
+        assert max(result[name]) <= TOLERANCE, (name, result[name])
+        assert result[f"{name}_iterations"] == 24
+        assert result[f"{name}_predict_rows"] == 8 * n * 24
 
 
 def test_collective_all_reduce_one_gpu_per_worker_over_nccl_equals_single_device(tmp_path):
@@ -68,15 +61,7 @@ def test_collective_all_reduce_one_gpu_per_worker_over_nccl_equals_single_device
         assert graph["hints"].get("nccl", 0) > 0, graph
         assert graph["gradient_devices"], graph
         assert not any("CPU" in d for d in graph["gradient_devices"]), graph
-    proc = subprocess.run(
-        [sys.executable, "collective_equiv.py", str(tmp_path), "--reference"],
-        cwd=WORKERS,
-        capture_output=True,
-        text=True,
-        timeout=500,
-        env={**os.environ, **FP32},
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _run("collective_equiv.py", str(tmp_path), "--reference")
     ref = np.load(tmp_path / "reference.npz")
     for i in range(2):
         mine = np.load(tmp_path / f"worker_{i}.npz")

@@ -59,8 +59,8 @@ def _rows(c: ScalingConfig, cpus: int, gpus: int = 0) -> list[dict]:
     """(row id, label, strategy, workers, devices per worker, threads per process, env).
 
     On a host with `gpus` GPUs the A rows train on all of them, and B-W's W workers split them
-    (`tfstrat launch` gives each its own: W must divide the count); the seed's B rows used W
-    machines of 8 GPUs each, which `--nodes` runs."""
+    (`tfstrat launch` gives each its own: W must divide the count); the 2019 table's B rows used
+    W machines of 8 GPUs each, which `--nodes` runs."""
     d, t = c.devices_per_worker, c.threads
     rows = [
         ("P-1", "one process, no strategy", "none", 1, 1, t, None),
