@@ -79,6 +79,10 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
             if isinstance(v, tf.IndexedSlices):
                 densify = self.density.densify(v, self._group_size)
                 rows[i] = sparse.static_rows(v)
+                # TensorFlow's gather of an unknown row count is a cond of collectives whose
+                # calls interleave across a loop's iterations (a custom loop's `tf.range`):
+                # there, such a gradient is all-reduced densely.
+                densify = densify or (rows[i] is None and _in_control_flow())
                 with tf.device(self._devices[replica_id]):
                     v = sparse.dedup(v)
                     flat[i] = tf.convert_to_tensor(v) if densify else v
@@ -296,6 +300,11 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
 
 
 _warned: set[str] = set()
+
+
+def _in_control_flow() -> bool:
+    """Whether ops made now go into a loop's body or a cond's branch."""
+    return bool(getattr(tf.compat.v1.get_default_graph(), "is_control_flow_graph", False))
 
 
 def _warn_once(message: str) -> None:

@@ -92,7 +92,12 @@ class AdoptsKerasOptimizers:
         from tfstrat.keras import _loss_scale
 
         _loss_scale.install()  # mixed precision: every replica skips the same steps
+        from tfstrat.strategies import _custom_loops
+
+        _custom_loops.install()  # custom training loops: optimizers built eagerly
         return super().__new__(cls)
+
+    _tfstrat_builds_eagerly = True
 
     def run(self, fn, args=(), kwargs=None, options=None):
         from keras.optimizers import Optimizer

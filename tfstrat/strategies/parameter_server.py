@@ -228,9 +228,10 @@ class ParameterServer(distribute_lib.Strategy):
             _Extended(self, device, tf_config=tf_config, worker=worker, timeout=timeout)
         )
         self.mode = mode
-        self._tfstrat_refuses_custom_loops = mode == "sync"
+        _custom_loops.install()
+        self._tfstrat_builds_eagerly = True
         if mode == "sync":
-            _custom_loops.refuse_under_ps_sync()
+            self._tfstrat_check_apply = _custom_loops.refuse_outside_fit
         self.partitions = partitions
         self.partition_bytes = partition_bytes
         self._options = dict(

@@ -1,0 +1,263 @@
+"""TensorFlow's custom-training-loop tutorials, written as their users write them, under one
+strategy (run by `tfstrat launch`, or in one process) or on one device (`--strategy none`).
+
+Usage:
+    python custom_loops.py OUT --strategy NAME [--cases a,b,...]
+writes OUT/<task>.json: for each case, the final trainable weights (as lists), the losses the
+loop computed and what the strategy's API said. NAME is none (one device, no tfstrat),
+mirrored, collective, hybrid, ps-sync, ps-async, localsgd, localsgd-k, model-parallel.
+
+The cases (each builds its model and optimizer afresh, from the same seed):
+- dataset: `experimental_distribute_dataset(ds.batch(GLOBAL))`, 2 epochs; the last global
+  batch is partial; `strategy.gather`, `experimental_local_results`, `num_replicas_in_sync`.
+- function: `distribute_datasets_from_function` with the InputContext's per-replica batch and
+  shard, 2 epochs.
+- inner: several steps per `tf.function` call (`tf.range` over a distributed iterator).
+- eval: an evaluation loop (`strategy.run(eval_step)`, metrics built in the scope).
+- checkpoint: SGD with momentum; after epoch 1 a `tf.train.CheckpointManager` saves (the
+  chief into OUT/ckpt, the others into their own scratch directory), a new model and optimizer
+  restore it, and epoch 2 trains on.
+"""
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+import numpy as np
+
+parser = argparse.ArgumentParser()
+parser.add_argument("out")
+parser.add_argument("--strategy", required=True)
+parser.add_argument("--cases", default="dataset,function,inner,eval,checkpoint")
+args = parser.parse_args()
+CASES = args.cases.split(",")
+
+import tfstrat  # noqa: E402
+
+
+def make_strategy(name):
+    if name == "none":
+        return None
+    if name == "mirrored":
+        tfstrat.split_cpu(2)
+        return tfstrat.MirroredNCCL(timeout=60)
+    if name == "collective":
+        return tfstrat.CollectiveAllReduce(timeout=60)
+    if name == "hybrid":
+        return tfstrat.Hybrid(timeout=60)
+    if name in ("ps-sync", "ps-async"):
+        return tfstrat.ParameterServer(mode=name[3:], timeout=60)
+    if name == "localsgd":
+        return tfstrat.LocalSGD(sync_every=1, timeout=60)
+    if name == "localsgd-k":
+        return tfstrat.LocalSGD(sync_every=3, timeout=60)
+    if name == "model-parallel":
+        tfstrat.split_cpu(2)
+        mesh = tfstrat.DeviceMesh((1, 2), ["batch", "model"], devices=["CPU:0", "CPU:1"])
+        layout = tfstrat.LayoutMap(mesh)
+        layout["dense/kernel"] = (None, "model")
+        layout["dense/bias"] = ("model",)
+        layout["dense_1/kernel"] = ("model", None)
+        return tfstrat.ModelParallel(layout_map=layout, batch_dim_name="batch")
+    raise SystemExit(f"unknown strategy {name!r}")
+
+
+strategy = make_strategy(args.strategy)  # before any other TensorFlow op
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from common import build_model, data  # noqa: E402
+
+strategy = strategy or tf.distribute.get_strategy()
+SUM = tf.distribute.ReduceOp.SUM
+GLOBAL = 16
+EXAMPLES = GLOBAL * 6 + 12  # six whole global batches and a partial one (no replica empty)
+x, y = data(EXAMPLES)
+task = os.environ.get("TFSTRAT_TASK", "reference").replace(":", "_")
+
+
+def dataset():
+    return tf.data.Dataset.from_tensor_slices((x, y))
+
+
+def build(optimizer):
+    with strategy.scope():
+        model = build_model()
+        return model, optimizer()
+
+
+def loss_fn(labels, logits):
+    per_example = keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
+    return tf.nn.compute_average_loss(per_example, global_batch_size=GLOBAL)
+
+
+def trainer(model, optimizer):
+    """The tutorial's `train_step` and the `tf.function` that runs it on every replica."""
+
+    def train_step(inputs):
+        features, labels = inputs
+        with tf.GradientTape() as tape:
+            loss = loss_fn(labels, model(features, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    @tf.function
+    def distributed_train_step(inputs):
+        per_replica = strategy.run(train_step, args=(inputs,))
+        return strategy.reduce(SUM, per_replica, axis=None)
+
+    return train_step, distributed_train_step
+
+
+def weights(model):
+    return [np.asarray(w.numpy()).tolist() for w in model.trainable_weights]
+
+
+def epochs(step, make_input, n=2):
+    losses = []
+    for _ in range(n):
+        total = 0.0
+        for batch in make_input():
+            total += float(step(batch))
+        losses.append(total)
+    return losses
+
+
+def wait_for_checkpoint(directory, timeout=60):
+    """The chief's checkpoint, once it is written (the other workers reach here first)."""
+    deadline = time.monotonic() + timeout
+    while (path := tf.train.latest_checkpoint(directory)) is None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no checkpoint from the chief in {directory} after {timeout} s")
+        time.sleep(0.1)
+    return path
+
+
+def sgd():
+    return keras.optimizers.SGD(0.1)
+
+
+report = {"num_replicas_in_sync": strategy.num_replicas_in_sync}
+
+if "dataset" in CASES:
+    model, optimizer = build(sgd)
+    _, step = trainer(model, optimizer)
+    losses = epochs(step, lambda: strategy.experimental_distribute_dataset(dataset().batch(GLOBAL)))
+    first = next(iter(strategy.experimental_distribute_dataset(dataset().batch(GLOBAL))))
+    gathered = strategy.gather(first[1], axis=0)
+    report["dataset"] = {
+        "weights": weights(model),
+        "losses": losses,
+        "iterations": int(optimizer.iterations.numpy()),
+        "gathered_labels": np.asarray(gathered).tolist(),
+        "local_results": len(strategy.experimental_local_results(first[1])),
+    }
+
+if "function" in CASES:
+    model, optimizer = build(sgd)
+    _, step = trainer(model, optimizer)
+    contexts = []
+
+    def dataset_fn(input_context):
+        contexts.append(
+            (
+                input_context.num_input_pipelines,
+                input_context.input_pipeline_id,
+                input_context.get_per_replica_batch_size(GLOBAL),
+            )
+        )
+        ds = dataset().shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
+        return ds.batch(input_context.get_per_replica_batch_size(GLOBAL))
+
+    losses = epochs(step, lambda: strategy.distribute_datasets_from_function(dataset_fn))
+    report["function"] = {"weights": weights(model), "losses": losses, "contexts": contexts}
+
+if "inner" in CASES:
+    model, optimizer = build(sgd)
+    train_step, _ = trainer(model, optimizer)
+
+    @tf.function
+    def multi_step(iterator, steps):
+        total = tf.constant(0.0)
+        for _ in tf.range(steps):
+            per_replica = strategy.run(train_step, args=(next(iterator),))
+            total += strategy.reduce(SUM, per_replica, axis=None)
+        return total
+
+    whole = GLOBAL * 6
+    ds = tf.data.Dataset.from_tensor_slices((x[:whole], y[:whole])).batch(GLOBAL)
+    losses = []
+    for _ in range(2):
+        iterator = iter(strategy.experimental_distribute_dataset(ds))
+        losses.append(float(multi_step(iterator, tf.constant(3))))
+        losses.append(float(multi_step(iterator, tf.constant(3))))
+    report["inner"] = {"weights": weights(model), "losses": losses}
+
+if "eval" in CASES:
+    model, optimizer = build(sgd)
+    _, step = trainer(model, optimizer)
+    with strategy.scope():
+        accuracy = keras.metrics.SparseCategoricalAccuracy()
+        mean_loss = keras.metrics.Mean()
+
+    @tf.function
+    def distributed_eval_step(inputs):
+        def eval_step(inputs):
+            features, labels = inputs
+            logits = model(features, training=False)
+            accuracy.update_state(labels, logits)
+            mean_loss.update_state(
+                keras.losses.sparse_categorical_crossentropy(labels, logits, from_logits=True)
+            )
+
+        strategy.run(eval_step, args=(inputs,))
+
+    epochs(step, lambda: strategy.experimental_distribute_dataset(dataset().batch(GLOBAL)), n=1)
+    for batch in strategy.experimental_distribute_dataset(dataset().batch(GLOBAL)):
+        distributed_eval_step(batch)
+    report["eval"] = {
+        "weights": weights(model),
+        "accuracy": float(accuracy.result()),
+        "loss": float(mean_loss.result()),
+    }
+
+if "checkpoint" in CASES:
+
+    def sgdm():
+        return keras.optimizers.SGD(0.05, momentum=0.9)
+
+    def distributed():
+        return strategy.experimental_distribute_dataset(dataset().batch(GLOBAL))
+
+    model, optimizer = build(sgdm)
+    _, step = trainer(model, optimizer)
+    losses = epochs(step, distributed, n=1)
+    saved = weights(model)
+    directory = os.path.join(args.out, "ckpt")
+    if not strategy.extended.should_checkpoint:  # the tutorial's pattern: a scratch copy
+        directory = tempfile.mkdtemp(prefix=f"ckpt-{task}-")
+    manager = tf.train.CheckpointManager(
+        tf.train.Checkpoint(model=model, optimizer=optimizer), directory, max_to_keep=1
+    )
+    manager.save()
+    model, optimizer = build(sgdm)  # as a restarted job would
+    _, step = trainer(model, optimizer)
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
+    checkpoint.restore(wait_for_checkpoint(os.path.join(args.out, "ckpt")))
+    restored = weights(model)
+    losses += epochs(step, distributed, n=1)
+    report["checkpoint"] = {
+        "weights": weights(model),
+        "losses": losses,
+        "restored_equal_saved": all(
+            np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(saved, restored)
+        ),
+        "iterations": int(optimizer.iterations.numpy()),
+    }
+
+with open(os.path.join(args.out, f"{task}.json"), "w") as f:
+    json.dump(report, f)
+print("CUSTOM-LOOPS-DONE", task)
