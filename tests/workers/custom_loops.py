@@ -14,7 +14,7 @@ The cases (each builds its model and optimizer afresh, from the same seed):
   shard, 2 epochs.
 - inner: several steps per `tf.function` call (`tf.range` over a distributed iterator).
 - eval: an evaluation loop (`strategy.run(eval_step)`, metrics built in the scope).
-- checkpoint: SGD with momentum; after epoch 1 a `tf.train.CheckpointManager` saves (the
+- checkpoint: Adagrad (a slot per variable); after epoch 1 a `tf.train.CheckpointManager` saves (the
   chief into OUT/ckpt, the others into their own scratch directory), a new model and optimizer
   restore it, and epoch 2 trains on.
 """
@@ -70,6 +70,7 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from common import build_model, data  # noqa: E402
 
+DENSIFY = strategy is None
 strategy = strategy or tf.distribute.get_strategy()
 SUM = tf.distribute.ReduceOp.SUM
 GLOBAL = 16
@@ -101,6 +102,10 @@ def trainer(model, optimizer):
         with tf.GradientTape() as tape:
             loss = loss_fn(labels, model(features, training=True))
         grads = tape.gradient(loss, model.trainable_variables)
+        if DENSIFY:  # one device: Keras's sparse Adagrad treats duplicate ids apart (common.py)
+            grads = [
+                tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads
+            ]
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return loss
 
@@ -226,13 +231,13 @@ if "eval" in CASES:
 
 if "checkpoint" in CASES:
 
-    def sgdm():
-        return keras.optimizers.SGD(0.05, momentum=0.9)
+    def adagrad():  # with a slot; a ps updates a table's rows with it exactly (SGD too)
+        return keras.optimizers.Adagrad(0.1)
 
     def distributed():
         return strategy.experimental_distribute_dataset(dataset().batch(GLOBAL))
 
-    model, optimizer = build(sgdm)
+    model, optimizer = build(adagrad)
     _, step = trainer(model, optimizer)
     losses = epochs(step, distributed, n=1)
     saved = weights(model)
@@ -243,7 +248,7 @@ if "checkpoint" in CASES:
         tf.train.Checkpoint(model=model, optimizer=optimizer), directory, max_to_keep=1
     )
     manager.save()
-    model, optimizer = build(sgdm)  # as a restarted job would
+    model, optimizer = build(adagrad)  # as a restarted job would
     _, step = trainer(model, optimizer)
     checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
     checkpoint.restore(wait_for_checkpoint(os.path.join(args.out, "ckpt")))

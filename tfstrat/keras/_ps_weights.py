@@ -67,6 +67,29 @@ class _TableFace(keras.Variable):
     def assign_sub(self, value):
         return self.assign(self._whole() - np.asarray(value, np.float32))
 
+    # tf.train.Checkpoint (a custom loop's `Checkpoint(model=..., optimizer=...)`) saves and
+    # restores the whole array under the key a plain variable of its shape uses, so a
+    # checkpoint of a Hybrid model restores into the model on one device and back. Every
+    # worker restores (the same values), each before its own first lookup.
+
+    def _serialize_to_tensors(self):
+        shape = tuple(self._held.shape)
+        value = tf.py_function(lambda: self._whole().astype(np.float32), [], tf.float32)
+        value.set_shape(shape)
+        return {"VARIABLE_VALUE": value}
+
+    def _restore_from_tensors(self, restored_tensors):
+        value = restored_tensors["VARIABLE_VALUE"]
+        if tf.executing_eagerly():
+            self.assign(value.numpy())
+            return tf.no_op()
+
+        def write(v):
+            self.assign(v.numpy())
+            return np.float32(0)
+
+        return tf.py_function(write, [value], tf.float32)
+
     def __repr__(self):
         return (
             f"<Variable path={self.path}, shape={tuple(self._held.shape)}, dtype={self.dtype}, "

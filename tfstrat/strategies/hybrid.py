@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -270,8 +271,40 @@ class Hybrid(CollectiveAllReduce):
         from tfstrat.ps.remote import optimizer_hyper
 
         if self._optimizer is None:
-            raise UsageError("tfstrat Hybrid: a table was trained outside `model.fit`.")
+            raise UsageError(
+                "Received: a ps-held embedding table trained with no optimizer made in "
+                "tfstrat.Hybrid's scope. A table on the ps is updated as its rows' gradient "
+                "is computed, with its optimizer's settings and step: create the optimizer "
+                "in `strategy.scope()` before the first step (as TensorFlow's custom-loop "
+                "tutorials do), or keep the table mirrored: Hybrid(sparse=[])."
+            )
         return optimizer_hyper(self._optimizer, decays)
+
+    # -- custom training loops (`_custom_loops`) ------------------------------------------
+
+    _made = None  # the latest optimizer made in the scope
+
+    def _tfstrat_note_optimizer(self, optimizer) -> None:
+        """An optimizer made in this strategy's scope: a custom loop's tables train with the
+        latest one (`fit` names its model's)."""
+        self._made = weakref.ref(optimizer)
+
+    def _tfstrat_check_apply(self, optimizer, variables) -> None:
+        """Refuses an optimizer stepping a ps-held table that was pushed with another's settings."""
+        if not self.ps_addresses:
+            return
+        variables = variables if variables is not None else optimizer._trainable_variables
+        tables = [v.path for v in variables if hasattr(v, "_tfstrat_table")]
+        pushed = self._optimizer
+        if not tables or optimizer is pushed or optimizer is getattr(pushed, "inner_optimizer", 0):
+            return
+        raise UsageError(
+            f"Received: optimizer {optimizer.name!r} applying gradients to {tables[0]}, a "
+            "table tfstrat.Hybrid holds on the ps tasks, whose rows were pushed with "
+            f"optimizer {getattr(pushed, 'name', None)!r}'s settings (the latest made in the "
+            "strategy's scope). Create the loop's optimizer last, train the tables with one "
+            "optimizer, or keep the table mirrored: Hybrid(sparse=[])."
+        )
 
     def placement(self) -> dict[str, list[str]]:
         """Where each ps-held table lives (its parts' ps devices), by the table's path (the
@@ -282,6 +315,8 @@ class Hybrid(CollectiveAllReduce):
 
     def run(self, fn, args=(), kwargs=None, options=None):
         optimizer = getattr(getattr(fn, "__self__", None), "optimizer", None)
+        if optimizer is None and self._made is not None:  # a custom loop's step
+            optimizer = self._made()
         if optimizer is not None and optimizer is not self._optimizer:
             self._optimizer = optimizer
             self._warn_sparse_dense(optimizer, getattr(fn, "__self__", None))
