@@ -13,7 +13,7 @@ from cluster import launch_script, run_script
 from common import relative_errors
 
 TOLERANCE = 1e-5
-ALL = ("dataset", "function", "inner", "eval", "checkpoint")
+ALL = ("dataset", "function", "inner", "eval", "checkpoint", "fit_step")
 
 pytestmark = [pytest.mark.loops, pytest.mark.timeout(600)]
 
@@ -63,13 +63,46 @@ def _equal(report, reference, cases):
         ("ps-sync", 2, 1),
         ("localsgd", 2, 0),
         ("model-parallel", 0, 0),
+        ("model-parallel-workers", 2, 0),
     ],
 )
 def test_tutorial_loops_equal_one_device(reference, tmp_path, strategy, workers, ps):
     reports = _run(tmp_path, strategy, workers, ps)
-    replicas = {"mirrored": 2, "model-parallel": 1}.get(strategy, 2)
+    # Each worker is a replica (ParameterServer sync too); a (1, 2) mesh has 2 replicas of
+    # one slice of the batch.
+    replicas = 2
     for task, report in reports.items():
         assert report["num_replicas_in_sync"] == replicas, task
         _equal(report, reference, ALL)
         # strategy.gather of the first global batch's labels: the whole batch, in order
         assert report["dataset"]["gathered_labels"] == reference["dataset"]["gathered_labels"]
+
+
+@pytest.mark.cluster
+def test_ps_async_loop_applies_every_workers_steps(reference, tmp_path):
+    """ParameterServer(mode="async") trains the loop too (each worker's step applied as it
+    comes: not compared with one device): the ps counts every worker's steps, the loss falls,
+    and each worker is one replica (tf.distribute's ParameterServerStrategy counts so)."""
+    reports = _run(tmp_path, "ps-async", 2, 1, cases=("dataset",))
+    steps = reference["dataset"]["iterations"]  # 7 global batches x 2 epochs
+    for task, report in reports.items():
+        assert report["num_replicas_in_sync"] == 1, task
+        assert report["dataset"]["final_iterations"] == 2 * steps, (task, report["dataset"])
+        first, second = report["dataset"]["losses"]
+        assert second < first, (task, report["dataset"]["losses"])
+
+
+@pytest.mark.cluster
+def test_localsgd_local_steps_refuse_a_custom_loop_by_name(tmp_path):
+    """LocalSGD(sync_every=3) steps locally only in fit's step; a custom loop's step would
+    all-reduce every gradient (synchronous SGD) without a word: refused at the first apply."""
+    import time
+
+    start = time.monotonic()
+    code, log = launch_script(
+        "custom_loops.py", str(tmp_path), "--strategy", "localsgd-k", "--cases", "dataset"
+    )
+    assert code != 0 and "CUSTOM-LOOPS-DONE" not in log, log[-3000:]
+    assert "SGD.apply_gradients outside model.fit under tfstrat.LocalSGD(sync_every=3)" in log
+    assert "LocalSGD(sync_every=1)" in log, log[-3000:]
+    assert time.monotonic() - start < 60, "waited for a timeout instead of refusing"

@@ -263,17 +263,3 @@ def test_only_the_chief_writes_and_every_worker_restores(tmp_path):
     )
     assert code == 0, log[-6000:]
     assert_chief_wrote_and_workers_restored(tmp_path, scratch)
-
-
-@pytest.mark.cluster
-def test_a_custom_loop_under_sync_is_refused_by_name(tmp_path):
-    """An optimizer stepped outside fit would apply each worker's gradient alone: refused at
-    the first apply, naming the strategy, the call and what to use, well before any timeout."""
-    import time
-
-    start = time.monotonic()
-    code, log = launch_script("ps_custom_loop.py", workers=2, ps=1)
-    assert code != 0 and "TRAINED-ANYWAY" not in log, log[-3000:]
-    assert "SGD.apply_gradients outside model.fit under tfstrat.ParameterServer(mode='sync')" in log
-    assert "tfstrat.CollectiveAllReduce" in log, log[-3000:]
-    assert time.monotonic() - start < 30, "waited for a timeout instead of refusing"  # timeout=30

@@ -5,7 +5,8 @@ Usage:
     python custom_loops.py OUT --strategy NAME [--cases a,b,...]
 writes OUT/<task>.json: for each case, the final trainable weights (as lists), the losses the
 loop computed and what the strategy's API said. NAME is none (one device, no tfstrat),
-mirrored, collective, hybrid, ps-sync, ps-async, localsgd, localsgd-k, model-parallel.
+mirrored, collective, hybrid, ps-sync, ps-async, localsgd, localsgd-k, model-parallel (one
+process), model-parallel-workers.
 
 The cases (each builds its model and optimizer afresh, from the same seed):
 - dataset: `experimental_distribute_dataset(ds.batch(GLOBAL))`, 2 epochs; the last global
@@ -17,6 +18,8 @@ The cases (each builds its model and optimizer afresh, from the same seed):
 - checkpoint: Adagrad (a slot per variable); after epoch 1 a `tf.train.CheckpointManager` saves (the
   chief into OUT/ckpt, the others into their own scratch directory), a new model and optimizer
   restore it, and epoch 2 trains on.
+- fit_step: keras.io's "Customizing what happens in fit()": a Model subclass whose own
+  `train_step` computes `self.compute_loss` and calls `self.optimizer.apply`, trained by `fit`.
 """
 
 import argparse
@@ -30,7 +33,7 @@ import numpy as np
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
 parser.add_argument("--strategy", required=True)
-parser.add_argument("--cases", default="dataset,function,inner,eval,checkpoint")
+parser.add_argument("--cases", default="dataset,function,inner,eval,checkpoint,fit_step")
 args = parser.parse_args()
 CASES = args.cases.split(",")
 
@@ -53,13 +56,16 @@ def make_strategy(name):
         return tfstrat.LocalSGD(sync_every=1, timeout=60)
     if name == "localsgd-k":
         return tfstrat.LocalSGD(sync_every=3, timeout=60)
-    if name == "model-parallel":
-        tfstrat.split_cpu(2)
-        mesh = tfstrat.DeviceMesh((1, 2), ["batch", "model"], devices=["CPU:0", "CPU:1"])
+    if name.startswith("model-parallel"):
+        if name == "model-parallel":  # one process of two logical CPUs
+            tfstrat.split_cpu(2)
+            mesh = tfstrat.DeviceMesh((1, 2), ["batch", "model"], devices=["CPU:0", "CPU:1"])
+        else:  # model-parallel-workers: a worker per part
+            mesh = tfstrat.DeviceMesh((1, 2), ["batch", "model"])
         layout = tfstrat.LayoutMap(mesh)
-        layout["dense/kernel"] = (None, "model")
-        layout["dense/bias"] = ("model",)
-        layout["dense_1/kernel"] = ("model", None)
+        layout["hidden/kernel"] = (None, "model")  # column-parallel
+        layout["hidden/bias"] = ("model",)
+        layout["logits/kernel"] = ("model", None)  # row-parallel
         return tfstrat.ModelParallel(layout_map=layout, batch_dim_name="batch")
     raise SystemExit(f"unknown strategy {name!r}")
 
@@ -68,7 +74,7 @@ strategy = make_strategy(args.strategy)  # before any other TensorFlow op
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from common import build_model, data  # noqa: E402
+from common import CLASSES, SEQ, VOCAB, data  # noqa: E402
 
 DENSIFY = strategy is None
 strategy = strategy or tf.distribute.get_strategy()
@@ -81,6 +87,17 @@ task = os.environ.get("TFSTRAT_TASK", "reference").replace(":", "_")
 
 def dataset():
     return tf.data.Dataset.from_tensor_slices((x, y))
+
+
+def build_model():
+    """common.build_model's model (the same initial weights), its layers named for the layout."""
+    keras.utils.set_random_seed(7)
+    inputs = keras.Input((SEQ,), dtype="int32")
+    h = keras.layers.Embedding(VOCAB, 8, name="tokens")(inputs)
+    h = keras.layers.Conv1D(8, 3, activation="relu", name="conv")(h)
+    h = keras.layers.Flatten()(h)
+    h = keras.layers.Dense(16, activation="relu", name="hidden")(h)
+    return keras.Model(inputs, keras.layers.Dense(CLASSES, name="logits")(h))
 
 
 def build(optimizer):
@@ -160,6 +177,12 @@ if "dataset" in CASES:
         "gathered_labels": np.asarray(gathered).tolist(),
         "local_results": len(strategy.experimental_local_results(first[1])),
     }
+    if args.strategy == "ps-async":  # the ps's count, once every worker's steps are in
+        deadline = time.monotonic() + 60
+        expected = strategy.num_workers * -(-EXAMPLES // GLOBAL) * len(losses)
+        while int(optimizer.iterations.numpy()) < expected and time.monotonic() < deadline:
+            time.sleep(0.1)
+        report["dataset"]["final_iterations"] = int(optimizer.iterations.numpy())
 
 if "function" in CASES:
     model, optimizer = build(sgd)
@@ -261,6 +284,41 @@ if "checkpoint" in CASES:
             np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(saved, restored)
         ),
         "iterations": int(optimizer.iterations.numpy()),
+    }
+
+if "fit_step" in CASES:  # keras.io "Customizing what happens in fit()": its own train_step
+
+    class CustomModel(keras.Model):
+        def train_step(self, data):
+            features, labels = data
+            with tf.GradientTape() as tape:
+                predictions = self(features, training=True)
+                loss = self.compute_loss(y=labels, y_pred=predictions)
+            gradients = tape.gradient(loss, self.trainable_variables)
+            if DENSIFY:
+                gradients = [
+                    tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+                    for g in gradients
+                ]
+            self.optimizer.apply(gradients, self.trainable_variables)
+            for metric in self.metrics:
+                if metric.name == "loss":
+                    metric.update_state(loss)
+                else:
+                    metric.update_state(labels, predictions)
+            return {m.name: m.result() for m in self.metrics}
+
+    with strategy.scope():
+        plain = build_model()
+        model = CustomModel(plain.inputs, plain.outputs)
+        model.compile(
+            optimizer=keras.optimizers.Adagrad(0.1),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    model.fit(x, y, batch_size=GLOBAL, epochs=2, shuffle=False, verbose=0)
+    report["fit_step"] = {
+        "weights": weights(model),
+        "iterations": int(model.optimizer.iterations.numpy()),
     }
 
 with open(os.path.join(args.out, f"{task}.json"), "w") as f:

@@ -16,7 +16,7 @@ What each is for:
 
 from keras.src import tree  # noqa: F401
 from keras.src.backend.common.symbolic_scope import in_symbolic_scope  # noqa: F401
-from keras.src.backend.tensorflow.trainer import TensorFlowTrainer  # noqa: F401
+from keras.src.backend.tensorflow.trainer import TensorFlowTrainer, TFEpochIterator  # noqa: F401
 from keras.src.callbacks.callback_list import CallbackList  # noqa: F401
 from keras.src.losses import loss as loss_module  # noqa: F401
 from keras.src.optimizers.base_optimizer import BaseOptimizer  # noqa: F401

@@ -7,8 +7,9 @@ created beside their variable, are split the same way). Inside a step a device r
 part, and the optimizer updates each part with its own gradient.
 
 Outside a step Keras sees the whole (`ShardedVariable`): `numpy()` concatenates the parts and
-`assign(whole)` writes each device's part, so `model.save`, `save_weights`, `ModelCheckpoint`
-and `BackupAndRestore` write plain Keras files and load them back. Its `shape` is the whole's.
+`assign(whole)` writes each device's part, so `model.save`, `save_weights`, `ModelCheckpoint`,
+`BackupAndRestore` and `tf.train.Checkpoint` write plain Keras (TensorFlow) files and load them
+back. Its `shape` is the whole's.
 
 A layer whose computation tfstrat does not shard reads the whole value inside its call
 (`gathered`): the parts are concatenated for that call, and the gradient of each part is its
@@ -78,6 +79,16 @@ class ShardedVariable(keras.Variable):
         value = tf.convert_to_tensor(value, self._value.dtype)
         for k, component in enumerate(self._value.values):
             component.assign(self.sharding.take(value, mesh.model_index(mesh.local[k])))
+
+    # tf.train.Checkpoint (custom loops) saves the whole value under a plain variable's key,
+    # so its checkpoints restore on one device, or on another mesh, and back.
+
+    def _serialize_to_tensors(self):
+        return {"VARIABLE_VALUE": self.whole()}
+
+    def _restore_from_tensors(self, restored_tensors):
+        self._direct_assign(restored_tensors["VARIABLE_VALUE"])
+        return tf.no_op()
 
 
 def adopt(variable, mesh) -> None:

@@ -23,6 +23,13 @@ in a loop, and no step graph holds a loop across devices.
                                           worker is in; left out: it mailed `step` and was not
                                           taken; the step's stop, as the chief got it
     fit_done(group, worker)            -> 0 (the others stop waiting for it)
+    exchange(group, worker, workers, call, values, ms)
+                                       -> [ready, each worker's value count..., every
+                                          worker's values, in worker order]: ready once all
+                                          `workers` handed in their values of `call` (the
+                                          caller's count of its exchanges): a custom loop's
+                                          `strategy.reduce` and `gather` across workers;
+                                          not ready: [0, whether each worker handed in...]
     begin_run(group, run, workers, ms) -> [ready, joined mask...]: the chief, as its strategy
                                           starts: a new `run` (16 random bytes) drops the
                                           group's step state; ready once every other
@@ -63,6 +70,7 @@ from tfstrat.errors import UsageError
 logger = logging.getLogger(__name__)
 
 WAIT_MS = 1000  # the longest one wait blocks on the ps before the worker checks its deadline
+MAX_WORKERS = 1 << 16  # a frame naming more workers is refused (no list of its length is made)
 
 
 class _Group:
@@ -92,13 +100,32 @@ class Steps:
 
     METHODS = (
         "open", "mail", "wait_mailed", "publish", "wait_applied", "fit_done", "begin_run",
-        "join_run",
+        "join_run", "exchange",
     )  # fmt: skip
 
     def __init__(self):
         self.groups: dict[int, _Group] = {}
         self.runs: dict[int, _Run] = {}
+        # (group, call) -> ({worker: its values}, the workers that read the result)
+        self.exchanges: dict[tuple[int, int], tuple[dict, set]] = {}
         self.changed = threading.Condition()
+
+    def exchange(self, group, worker, workers, call, values, ms):
+        w, n, key = int(worker), int(workers), (int(group), int(call))
+        if not 0 <= w < n <= MAX_WORKERS:
+            raise UsageError(f"worker {w} of {n}: a group has 1 to {MAX_WORKERS} workers")
+        with self.changed:
+            given, read = self.exchanges.setdefault(key, ({}, set()))
+            if w not in given:
+                given[w] = np.asarray(values, np.float64).reshape(-1)
+                self.changed.notify_all()
+            if not self.changed.wait_for(lambda: len(given) >= n, _seconds(ms)):
+                return np.array([0, *(k in given for k in range(n))], np.float64)
+            read.add(w)
+            if len(read) >= n:  # everyone has it: forgotten
+                self.exchanges.pop(key, None)
+            parts = [given[k] for k in range(n)]
+            return np.concatenate([[1.0], [float(len(p)) for p in parts], *parts])
 
     def begin_run(self, group, run, workers, ms):
         run, workers = _id(run), int(workers)
@@ -116,6 +143,8 @@ class Steps:
                         old.mailed,
                         old.fits,
                     )
+                for key in [k for k in self.exchanges if k[0] == int(group)]:
+                    del self.exchanges[key]  # an earlier run's half-done exchanges
                 r.run, r.joined, r.members, r.workers = run, {}, None, workers
                 r.counts, r.refused = {}, set()
                 self.changed.notify_all()
@@ -266,6 +295,7 @@ class Client:
         self.connection = wire.Connection(address, timeout, "ps:0")
         self.timeout, self.device, self.group, self.worker = timeout, device, group, worker
         self.lock = threading.Lock()
+        self.calls = 0  # exchanges made, the next one's number
 
     def call(self, method: str, *args) -> np.ndarray:
         with self.lock:
@@ -322,6 +352,31 @@ class Client:
     def fit_done(self) -> None:
         """Eager, at the end of each of this worker's fits."""
         self.call("fit_done", self.worker)
+
+    def exchange(self, values, workers: int, what: str, names: list[str]):
+        """Every worker's `values` (a float64 vector) as a graph op: [each worker's count,
+        their values in worker order]. Every worker must make the same exchanges in the same
+        order (they are matched by count); raises after the timeout naming who did not come."""
+        import tensorflow as tf
+
+        def run(v):
+            with self.lock:
+                call, self.calls = self.calls, self.calls + 1
+
+            def why(_, given):
+                missing = [names[k] for k, g in enumerate(given) if not g]
+                return (
+                    f"tfstrat ParameterServer: {names[self.worker]} waited {self.timeout:g} s "
+                    f"on ps:0 in {what} (its call {call} across workers) for "
+                    f"{', '.join(missing)}. Every worker must make the same strategy.reduce "
+                    "and strategy.gather calls, in the same order; see their logs."
+                )
+
+            ask = lambda ms: self.call("exchange", self.worker, workers, call, v, ms)  # noqa: E731
+            return self._until(ask, why, call, skip=1)[1:]
+
+        with tf.device(self.device):
+            return tf.numpy_function(run, [values], tf.float64, stateful=True)
 
     def start_run(self, workers: int, names: list[str]) -> bytes:
         """Eager, as the strategy starts: the run's id (the chief's new random bytes), once

@@ -14,8 +14,11 @@ optimizer's own calls (`install`, once per process):
 - A strategy in whose scope an optimizer is created is told (`_tfstrat_note_optimizer`):
   Hybrid's ps-held tables push their rows' gradient while the tape computes it, so the
   table's optimizer (its hyperparameters and step) must be known before `apply_gradients`.
+- A strategy whose step wraps the optimizer's (ParameterServer's synchronous protocol) adopts
+  the optimizer at its first `apply` (`_tfstrat_custom_apply`), as `fit` adopts its model's.
 - An optimizer stepping variables whose strategy cannot train a custom loop exactly refuses
-  by name (`_tfstrat_check_apply` on the strategy).
+  by name (`_tfstrat_check_apply`: LocalSGD with local steps, a Hybrid table pushed with
+  another optimizer's settings).
 """
 
 from __future__ import annotations
@@ -45,16 +48,21 @@ def _build_eagerly(optimizer, variables) -> None:
         if optimizer.built:
             return
         with tf.init_scope():
-            scope = strategy.scope() if strategy is not None else _nothing()
+            inside = strategy is None or tf.distribute.get_strategy() is strategy
+            scope = _nothing() if inside else strategy.scope()
             with scope, keras.name_scope(optimizer.name, caller=optimizer):
                 optimizer.build(variables)
             optimizer.built = True
 
     context = tf.distribute.get_replica_context()
-    if context is not None and not tf.distribute.in_cross_replica_context():
-        context.merge_call(build)
-    else:
+    local = len(getattr(getattr(strategy, "extended", None), "worker_devices", ())) or 1
+    if context is None or tf.distribute.in_cross_replica_context():
         build()
+    elif _in_replica_graph():
+        context.merge_call(build)  # once, in the cross-replica context, as fit builds it
+    elif local == 1:
+        build()  # a loop's body: no other replica of this process builds it
+    # else: a loop's body on several local replicas; Keras builds it in the graph
 
 
 class _nothing:
@@ -77,9 +85,12 @@ def _apply(keras_apply):
             and len(grads)
             and not tf.executing_eagerly()
             and getattr(strategy, "_tfstrat_builds_eagerly", False)
-            and _in_replica_graph()
         ):
             _build_eagerly(self, list(trainable_variables))
+        route = getattr(strategy, "_tfstrat_custom_apply", None)
+        routed = route(self) if route is not None else None
+        if routed is not None:  # the strategy's own step around Keras's (ParameterServer)
+            return routed(grads, trainable_variables)
         return keras_apply(self, grads, trainable_variables)
 
     return apply
@@ -116,23 +127,8 @@ def install() -> None:
 
 
 def adopted(optimizer) -> None:
-    """Marks `optimizer` (and a LossScaleOptimizer's inner one) as stepped by `fit`'s protocol."""
+    """Marks `optimizer` (and a LossScaleOptimizer's inner one) as stepped by ParameterServer's
+    protocol (`fit`'s or a custom loop's)."""
     for o in (optimizer, getattr(optimizer, "inner_optimizer", None)):
         if o is not None:
             o._tfstrat_ps_adopted = True
-
-
-def refuse_outside_fit(optimizer, _variables) -> None:
-    """ParameterServer(mode="sync")'s check: its synchronous step runs only in `fit`."""
-    from tfstrat.errors import UsageError
-
-    if getattr(optimizer, "_tfstrat_ps_adopted", False):
-        return
-    raise UsageError(
-        f"Received: {type(optimizer).__name__}.apply_gradients outside model.fit under "
-        "tfstrat.ParameterServer(mode='sync'). Its synchronous step (every worker's "
-        "gradient aggregated, then applied once) runs only in fit; here each worker "
-        "would apply its own gradient to the ps variables and train differently from "
-        "one device. Train with model.fit (a custom train_step is fine), or run the "
-        "loop under tfstrat.CollectiveAllReduce, or ParameterServer(mode='async')."
-    )

@@ -32,8 +32,10 @@ warning about the variable count).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import threading
 import weakref
 
 import tensorflow as tf
@@ -140,6 +142,9 @@ class _State:
         self.outer = outer  # the outer optimizer (a copy made in the strategy's scope) or None
         self.own = own  # ids of the variables above: not the inner optimizer's slots
         self.sync_fn = None  # the eager (end of epoch) sync, a tf.function
+
+
+_fit_step = threading.local()  # .active while fit's local step is traced
 
 
 class LocalSGD(CollectiveAllReduce):
@@ -263,7 +268,9 @@ class LocalSGD(CollectiveAllReduce):
         """Creates the LocalSGD state as variables of `inner` (saved and restored with it)."""
         if id(inner) in self._states:
             return
-        with self.scope(), tf.init_scope():
+        # (Already in this strategy's scope when built from a custom loop's step.)
+        scope = contextlib.nullcontext() if tf.distribute.get_strategy() is self else self.scope()
+        with scope, tf.init_scope():
             since = inner.add_variable((), initializer="zeros", dtype="int64",
                                        name="localsgd_since_sync")  # fmt: skip
             rows = inner.add_variable((), initializer="zeros", dtype="float32",
@@ -382,17 +389,11 @@ class LocalSGD(CollectiveAllReduce):
                 )
             args, kwargs = _compute.unknown_batch((args, kwargs))  # alike on every worker
             rows = _compute.rows_of((args, kwargs))
-            if apart and not tf.executing_eagerly():
-                # A worker with no rows runs no forward pass: its optimizer steps on a zero
-                # gradient (outside the tf.cond: Keras's apply merge_calls), and it has no
-                # weight in the average.
-                jit = getattr(model, "_tfstrat_jit", False)
-                pending = _exact_step.computed_apart(fn, args, kwargs, rows, jit)
-                for apply_gradients, grads_and_vars in pending:
-                    apply_gradients(grads_and_vars)
-                logs = model.get_metrics_result()
-            else:
-                logs = fn(*args, **kwargs)
+            _fit_step.active = True  # its optimizer steps locally (`_tfstrat_check_apply`)
+            try:
+                logs = self._traced_step(model, fn, apart, args, kwargs, rows)
+            finally:
+                _fit_step.active = False
             weight = tf.constant(1.0) if rows is None else tf.cast(rows, tf.float32)
             _local(state.rows).assign_add(weight)
             since = _local(state.since)
@@ -405,6 +406,36 @@ class LocalSGD(CollectiveAllReduce):
             return logs
 
         return step
+
+    @staticmethod
+    def _traced_step(model, fn, apart, args, kwargs, rows):
+        if apart and not tf.executing_eagerly():
+            # A worker with no rows runs no forward pass: its optimizer steps on a zero
+            # gradient (outside the tf.cond: Keras's apply merge_calls), and it has no
+            # weight in the average.
+            jit = getattr(model, "_tfstrat_jit", False)
+            pending = _exact_step.computed_apart(fn, args, kwargs, rows, jit)
+            for apply_gradients, grads_and_vars in pending:
+                apply_gradients(grads_and_vars)
+            return model.get_metrics_result()
+        return fn(*args, **kwargs)
+
+    def _tfstrat_check_apply(self, optimizer, variables) -> None:
+        """A custom loop's optimizer step (`_custom_loops`): with `sync_every > 1` refused by
+        name, since its gradient would be all-reduced each step (synchronous SGD, not local
+        steps). With `sync_every=1` LocalSGD is synchronous SGD anyway: allowed."""
+        if self.sync_every <= 1 or getattr(_fit_step, "active", False):
+            return
+        if getattr(optimizer, "_tfstrat_outer", False):  # the sync's own outer step
+            return
+        raise UsageError(
+            f"Received: {type(optimizer).__name__}.apply_gradients outside model.fit under "
+            f"tfstrat.LocalSGD(sync_every={self.sync_every}). Its local steps and periodic "
+            "averaging run in fit's step only; in a custom loop every step's gradient would be "
+            "all-reduced (synchronous SGD, without a word). Train with model.fit (a custom "
+            "train_step is fine), or use LocalSGD(sync_every=1) or "
+            "tfstrat.CollectiveAllReduce for the loop."
+        )
 
     def _rebase(self, model, state):
         """Anchors := the weights, at a period's first step. After a sync they are equal

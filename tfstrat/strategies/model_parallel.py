@@ -308,6 +308,22 @@ class _OnMesh:
                 norms[i] = summed[k]
         return norms
 
+    def gather(self, value, axis):
+        """Each slice of the batch once, in order (the devices of a model group hold the same
+        rows), as `strategy.gather` of a data-parallel strategy gives the global batch."""
+        whole = super().gather(value, axis)
+        mesh = self.mesh
+        if mesh is None or mesh.model_size == 1:
+            return whole
+        first = tf.constant([mesh.model_index(r) == 0 for r in range(len(mesh.devices))])
+
+        def once(t):
+            replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+            return tf.fill(tf.shape(t)[axis : axis + 1], tf.gather(first, replica))
+
+        keep = super().gather(self.run(lambda v: tf.nest.map_structure(once, v), (value,)), 0)
+        return tf.nest.map_structure(lambda w, k: tf.boolean_mask(w, k, axis=axis), whole, keep)
+
     # -- input ----------------------------------------------------------------------------
 
     def experimental_distribute_dataset(self, dataset, options=None):
@@ -351,7 +367,43 @@ class _OnMesh:
         saved = extended.experimental_enable_get_next_as_optional
         extended.experimental_enable_get_next_as_optional = False  # every replica, every batch
         try:
-            distributed = self.distribute_datasets_from_function(lambda _: expanded, options)
+            distributed = super().distribute_datasets_from_function(lambda _: expanded, options)
+        finally:
+            extended.experimental_enable_get_next_as_optional = saved
+        return _common.name_empty_input(distributed)
+
+    def distribute_datasets_from_function(self, dataset_fn, options=None):
+        """`dataset_fn(input_context)` once per process, as under tf.distribute: its
+        InputContext counts the batch axis's slices as the replicas (`get_per_replica_batch_size`
+        is the global batch over the mesh's data size), and each batch it yields goes to every
+        device of the model group of its slice (consecutive batches to this process's slices,
+        in order)."""
+        mesh = self.mesh
+        if mesh.model_size == 1 and len(mesh.local) == len(mesh.devices):
+            return super().distribute_datasets_from_function(dataset_fn, options)
+        extended = self.extended
+        context = tf.distribute.InputContext(
+            num_input_pipelines=getattr(extended, "_num_workers", 1),
+            input_pipeline_id=getattr(extended, "_id_in_cluster", 0),
+            num_replicas_in_sync=mesh.data_size,
+        )
+        dataset = dataset_fn(context)
+        slices = sorted({mesh.batch_slice(r) for r in mesh.local})
+        position = tf.constant([slices.index(mesh.batch_slice(r)) for r in mesh.local], tf.int64)
+        replicas, is_tuple = len(mesh.local), isinstance(dataset.element_spec, tuple)
+
+        def to_replicas(*windows):  # `len(slices)` consecutive batches, one per slice
+            window = windows if is_tuple else windows[0]
+            zipped = window if isinstance(window, tf.data.Dataset) else tf.data.Dataset.zip(window)
+            return tf.data.Dataset.range(replicas).flat_map(
+                lambda r: zipped.skip(tf.gather(position, r)).take(1)
+            )
+
+        expanded = dataset.window(len(slices)).flat_map(to_replicas)
+        saved = extended.experimental_enable_get_next_as_optional
+        extended.experimental_enable_get_next_as_optional = False  # every replica, every batch
+        try:
+            distributed = super().distribute_datasets_from_function(lambda _: expanded, options)
         finally:
             extended.experimental_enable_get_next_as_optional = saved
         return _common.name_empty_input(distributed)

@@ -21,12 +21,14 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
 import weakref
 
 import tensorflow as tf
 
 from tfstrat import runtime
 from tfstrat._compat.tf import distribute_lib, nest, one_device_strategy
+from tfstrat._compat.tf import values as distributed_values
 from tfstrat.cluster import TFConfig
 from tfstrat.errors import AgreementError, UsageError
 from tfstrat.keras import _fit_scope
@@ -36,7 +38,7 @@ from tfstrat.ps import variables as psvars
 from tfstrat.ps.connect import Heartbeat, connect
 from tfstrat.ps.sync import SyncReplicas
 from tfstrat.ps.tables import rpc_address
-from tfstrat.reduce.sparse import dedup
+from tfstrat.reduce.sparse import dedup, scale
 from tfstrat.strategies import _compute, _custom_loops, _exact_step, _reuse, _stopping
 from tfstrat.strategies import agreement as _agreement
 
@@ -119,7 +121,8 @@ class _Extended(one_device_strategy.OneDeviceExtended):
         colocate_with = kwargs.pop("colocate_with", None)
         if _stays_local(kwargs):
             with tf.device(self._device):
-                return next_creator(**kwargs)
+                var = next_creator(**kwargs)
+            return self._summed_on_read(var, kwargs)
         initial_value = kwargs["initial_value"]
         dtype = kwargs.get("dtype")
         if dtype is None:
@@ -149,6 +152,28 @@ class _Extended(one_device_strategy.OneDeviceExtended):
         )
         self._initialise(var, initial_value, self.is_chief, label=name)
         return var
+
+    replicas = 1  # the workers, in sync mode (`ParameterServer.__init__`)
+
+    @property
+    def _num_replicas_in_sync(self):
+        # Sync: one replica per worker, as tf.distribute counts them (Keras divides a step's
+        # loss by it, undone in the push; a custom loop's `compute_average_loss` and
+        # InputContext use it). Async: 1, each worker's step its own, as in tf.distribute's
+        # ParameterServerStrategy.
+        return self.replicas
+
+    def _summed_on_read(self, var, kwargs):
+        """A metric's state variable (sync): summed (or averaged) over the workers when read
+        outside a step, as tf.distribute's on-read variables sum their replicas
+        (`ParameterServer.reduce`, through ps 0); inside a step, this worker's own."""
+        aggregation = kwargs.get("aggregation")
+        sums = (tf.VariableAggregation.SUM, tf.VariableAggregation.MEAN)
+        if self.replicas == 1 or aggregation not in sums:
+            return var
+        return distributed_values.SyncOnReadVariable(
+            self._container_strategy(), (var,), aggregation
+        )
 
     def _validate_colocate_with_variable(self, colocate_with_variable):
         pass  # any variable: slots follow their variable to its ps task
@@ -228,10 +253,11 @@ class ParameterServer(distribute_lib.Strategy):
             _Extended(self, device, tf_config=tf_config, worker=worker, timeout=timeout)
         )
         self.mode = mode
-        _custom_loops.install()
-        self._tfstrat_builds_eagerly = True
         if mode == "sync":
-            self._tfstrat_check_apply = _custom_loops.refuse_outside_fit
+            self.extended.replicas = workers
+        _custom_loops.install()
+        _mark_keras_input()
+        self._tfstrat_builds_eagerly = True
         self.partitions = partitions
         self.partition_bytes = partition_bytes
         self._options = dict(
@@ -247,6 +273,7 @@ class ParameterServer(distribute_lib.Strategy):
             group=self.extended.group,
             worker=worker,
         )
+        self._steps = client  # also `reduce` and `gather` across workers
         # A new run on ps 0 (it may have outlived an earlier run's workers): the earlier
         # run's step state is dropped, and what this run publishes there is keyed by its id.
         names = [tf_config.trainer_name(w) for w in range(workers)]
@@ -346,10 +373,18 @@ class ParameterServer(distribute_lib.Strategy):
     def run(self, fn, args=(), kwargs=None, options=None):
         model = getattr(fn, "__self__", None)
         step = getattr(fn, "__name__", "")
-        if model is not None:
-            with tf.init_scope():  # the checks talk to the ps: eagerly, while Keras traces
-                self._check_model(model, step)
-            self._adopt(model)
+        if model is None:  # a custom loop's step: its input is this worker's rows already
+            if self.sync is not None:
+                inner_fn = fn
+
+                def fn(*a, **k):  # reads the global step before any variable (`tfstrat.ps.sync`)
+                    with tf.control_dependencies([self.sync.begin_step()]):
+                        return inner_fn(*a, **k)
+
+            return super().run(fn, args=args, kwargs=kwargs, options=options)
+        with tf.init_scope():  # the checks talk to the ps: eagerly, while Keras traces
+            self._check_model(model, step)
+        self._adopt(model)
         if step in _SLICED_STEPS and self.num_workers > 1:
             self._check_rows(_static_rows(args))
             self._guard_rows(model, step)
@@ -431,10 +466,42 @@ class ParameterServer(distribute_lib.Strategy):
     # -- input ----------------------------------------------------------------------------
 
     def experimental_distribute_dataset(self, dataset, options=None):
-        # Keras distributes the input of each fit, evaluate and predict before its first step.
+        """Keras's input (each fit, evaluate and predict): whole global batches, sliced in the
+        step (`run`), where `train_on_batch` input is sliced too. A custom loop's: worker w's
+        rows [w*n//W, (w+1)*n//W) of each global batch of n rows, sliced here."""
         self._input_rows = _first_batch_rows(dataset)
         self._refuse_file_sharding(dataset)
-        return super().experimental_distribute_dataset(dataset, options)
+        if getattr(_keras_input, "active", False) or self.num_workers == 1:
+            return super().experimental_distribute_dataset(dataset, options)
+        self._check_rows(None)
+        return super().experimental_distribute_dataset(self._sliced(dataset), options)
+
+    def _sliced(self, dataset):
+        w, n_workers = self.worker_index, self.num_workers
+        whole = isinstance(dataset.element_spec, tuple)
+
+        def take(*element):
+            structure = element if whole else element[0]
+            flat = [t for t in nest.flatten(structure) if isinstance(t, tf.Tensor) and t.shape.rank]
+            if not flat:
+                return structure
+            n = tf.shape(flat[0], out_type=tf.int64)[0]
+            lo, hi = (w * n) // n_workers, ((w + 1) * n) // n_workers
+            cut = lambda t: t[lo:hi] if isinstance(t, tf.Tensor) and t.shape.rank else t  # noqa: E731
+            return nest.map_structure(cut, structure)
+
+        return dataset.map(take)
+
+    def distribute_datasets_from_function(self, dataset_fn, options=None):
+        """`dataset_fn` gets this worker's InputContext: one input pipeline per worker, and
+        (sync) the workers counted as replicas, so `get_per_replica_batch_size` is its share."""
+        context = tf.distribute.InputContext(
+            num_input_pipelines=self.num_workers,
+            input_pipeline_id=self.worker_index,
+            num_replicas_in_sync=self.num_replicas_in_sync,
+        )
+        dataset = dataset_fn(context)
+        return super().distribute_datasets_from_function(lambda _: dataset, options)
 
     def _refuse_file_sharding(self, dataset) -> None:
         """Every worker reads the whole dataset and takes its slice of each global batch; an
@@ -480,14 +547,26 @@ class ParameterServer(distribute_lib.Strategy):
         optimizer = getattr(model, "optimizer", None)
         if optimizer is None or id(optimizer) in self._adopted:
             return
-        self._adopted.add(id(optimizer))
-        _custom_loops.adopted(optimizer)
         self._warn_stock_embeddings(model)
         logger.info("tfstrat: %s", self.placement_summary())
         where = [f"{w.path} ps:{psvars.ps_index_of(w.value)}" for w in model.weights]
         logger.info(
             "tfstrat: placement: %s%s", ", ".join(where[:40]), " ..." if len(where) > 40 else ""
         )
+        self._adopt_optimizer(optimizer)
+
+    def _tfstrat_custom_apply(self, optimizer):
+        """A custom loop's first `apply_gradients` (`_custom_loops`): the optimizer is adopted
+        as `fit`'s is, and its step runs the same protocol. Returns what to call instead, or
+        None when the optimizer is adopted already (Keras's own apply, inside the protocol)."""
+        if getattr(optimizer, "_tfstrat_ps_adopted", False):
+            return None
+        self._adopt_optimizer(optimizer)
+        return optimizer.apply
+
+    def _adopt_optimizer(self, optimizer):
+        self._adopted.add(id(optimizer))
+        _custom_loops.adopted(optimizer)
         _atomic_increment(optimizer)
         original = optimizer.apply
         sync, is_chief, stop = self.sync, self.extended.is_chief, self._stop
@@ -509,6 +588,10 @@ class ParameterServer(distribute_lib.Strategy):
             pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
             tf_pairs = [(g, v.value) for g, v in pairs]
             state = _exact_step._step
+            # Keras's loss, and a custom loop's `compute_average_loss`, are divided by the
+            # replica count (the workers); the sum of the workers' gradients is one device's.
+            replicas = self.num_replicas_in_sync
+            tf_pairs = [(scale(g, replicas), v) for g, v in tf_pairs]
             delivered = sync.push(tf_pairs, state.rows if state.scaled else None, asks)
             if not is_chief:
                 done, agreed = sync.finish([delivered])
@@ -551,10 +634,82 @@ class ParameterServer(distribute_lib.Strategy):
                     )
 
     def reduce(self, reduce_op, value, axis=None):
+        """Across the workers (sync: each is a replica) through ps 0, as tf.distribute sums
+        replicas; async: this worker's own (its one replica)."""
         if axis is not None:  # per-step logs: one replica, nothing to reduce across
             values = self.experimental_local_results(value)
             return values[0] if len(values) == 1 else value
-        return super().reduce(reduce_op, value, axis)
+        local = super().reduce(reduce_op, value, axis)
+        if self.num_replicas_in_sync == 1:
+            return local
+        if isinstance(local, distributed_values.DistributedValues):  # an on-read variable's
+            local = local.values[0].read_value()
+        mean = str(getattr(reduce_op, "value", reduce_op)).upper() == "MEAN"
+
+        def across(t):
+            summed = tf.add_n(self._across_workers(t, "strategy.reduce"))
+            summed = tf.reshape(summed, tf.shape(t))
+            if mean:
+                summed = summed / self.num_replicas_in_sync
+            return tf.cast(summed, t.dtype)
+
+        return nest.map_structure(across, local)
+
+    def gather(self, value, axis):
+        """Every worker's rows, in worker order (sync; async: this worker's), as tf.distribute
+        concatenates its replicas' values."""
+        values = self.experimental_local_results(value)
+        local = values[0] if len(values) == 1 else value
+        if self.num_replicas_in_sync == 1:
+            return local
+
+        def across(t):
+            t = tf.convert_to_tensor(t)
+            front = tf.experimental.numpy.moveaxis(t, axis, 0)
+            rest = tf.shape(front)[1:]
+            parts = self._across_workers(front, "strategy.gather")
+            shape = tf.concat([[-1], rest], 0)
+            whole = tf.concat([tf.reshape(p, shape) for p in parts], 0)
+            return tf.cast(tf.experimental.numpy.moveaxis(whole, 0, axis), t.dtype)
+
+        return nest.map_structure(across, local)
+
+    def _across_workers(self, t, what: str) -> list:
+        """Each worker's `t` (flattened, float64), in worker order, through ps 0."""
+        n = self.num_workers
+        flat = tf.reshape(tf.cast(tf.convert_to_tensor(t), tf.float64), [-1])
+        names = [self.tf_config.trainer_name(w) for w in range(n)]
+        out = self._steps.exchange(flat, n, what, names)
+        counts = tf.cast(out[:n], tf.int64)
+        return tf.split(out[n:], counts, num=n)
+
+
+_keras_input = threading.local()  # .active while Keras distributes its own input
+
+
+def _mark_keras_input() -> None:
+    """Tells Keras's input from a custom loop's (`experimental_distribute_dataset`)."""
+    from tfstrat._compat import patches
+    from tfstrat._compat.keras import TFEpochIterator
+
+    if patches.is_patched(TFEpochIterator, "__init__"):
+        return
+    keras_init = patches.original(TFEpochIterator, "__init__")
+
+    def __init__(self, *args, **kwargs):
+        _keras_input.active = True
+        try:
+            keras_init(self, *args, **kwargs)
+        finally:
+            _keras_input.active = False
+
+    patches.patch(
+        TFEpochIterator,
+        "__init__",
+        __init__,
+        "ParameterServer slices Keras's input in the step (whole batches in the dataset) and a "
+        "custom loop's in the dataset",
+    )
 
 
 def _atomic_increment(optimizer) -> None:
