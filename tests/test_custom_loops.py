@@ -25,8 +25,9 @@ def reference(tmp_path_factory):
     return json.loads((out / "reference.json").read_text())
 
 
-def _run(tmp_path, strategy, workers=2, ps=0, cases=ALL):
+def _run(tmp_path, strategy, workers=2, ps=0, cases=ALL, extra=()):
     args = ("custom_loops.py", str(tmp_path), "--strategy", strategy, "--cases", ",".join(cases))
+    args += tuple(extra)
     if workers == 0:
         run_script(*args)
         return {"reference": json.loads((tmp_path / "reference.json").read_text())}
@@ -68,14 +69,20 @@ def _equal(report, reference, cases):
 )
 def test_tutorial_loops_equal_one_device(reference, tmp_path, strategy, workers, ps):
     reports = _run(tmp_path, strategy, workers, ps)
-    # Each worker is a replica (ParameterServer sync too); a (1, 2) mesh has 2 replicas of
-    # one slice of the batch.
-    replicas = 2
+    # Each worker is a replica (ParameterServer sync too); a mesh counts its devices.
+    replicas = 4 if strategy == "model-parallel-workers" else 2  # its mesh is (2, 2)
+    local = {"mirrored": 2, "model-parallel": 2, "model-parallel-workers": 2}.get(strategy, 1)
+    per_replica = 16 if strategy == "model-parallel" else 8  # the global batch is 16
     for task, report in reports.items():
         assert report["num_replicas_in_sync"] == replicas, task
         _equal(report, reference, ALL)
         # strategy.gather of the first global batch's labels: the whole batch, in order
         assert report["dataset"]["gathered_labels"] == reference["dataset"]["gathered_labels"]
+        assert report["dataset"]["local_results"] == local, task
+        # The InputContext: one pipeline per process, this one's id, the replica's share
+        index = int(task.rsplit("_", 1)[1]) if workers else 0
+        expected = [max(workers, 1), index, per_replica]
+        assert report["function"]["contexts"][0] == expected, (task, report["function"])
 
 
 @pytest.mark.cluster
@@ -83,13 +90,14 @@ def test_ps_async_loop_applies_every_workers_steps(reference, tmp_path):
     """ParameterServer(mode="async") trains the loop too (each worker's step applied as it
     comes: not compared with one device): the ps counts every worker's steps, the loss falls,
     and each worker is one replica (tf.distribute's ParameterServerStrategy counts so)."""
-    reports = _run(tmp_path, "ps-async", 2, 1, cases=("dataset",))
-    steps = reference["dataset"]["iterations"]  # 7 global batches x 2 epochs
+    extra = ("--lr", "0.5", "--epochs", "4")  # the loss falls clearly over 4 epochs
+    reports = _run(tmp_path, "ps-async", 2, 1, cases=("dataset",), extra=extra)
+    steps = 2 * reference["dataset"]["iterations"]  # 7 global batches x 4 epochs
     for task, report in reports.items():
         assert report["num_replicas_in_sync"] == 1, task
         assert report["dataset"]["final_iterations"] == 2 * steps, (task, report["dataset"])
-        first, second = report["dataset"]["losses"]
-        assert second < first, (task, report["dataset"]["losses"])
+        losses = report["dataset"]["losses"]
+        assert losses[-1] < losses[0], (task, losses)
 
 
 @pytest.mark.cluster
@@ -106,3 +114,15 @@ def test_localsgd_local_steps_refuse_a_custom_loop_by_name(tmp_path):
     assert "SGD.apply_gradients outside model.fit under tfstrat.LocalSGD(sync_every=3)" in log
     assert "LocalSGD(sync_every=1)" in log, log[-3000:]
     assert time.monotonic() - start < 60, "waited for a timeout instead of refusing"
+
+
+@pytest.mark.cluster
+def test_hybrid_table_applied_by_another_optimizer_is_refused(tmp_path):
+    """A ps-held table pushes with the latest optimizer made in the scope; a loop applying it
+    with an earlier one would train it with the wrong settings: refused by name."""
+    code, log = launch_script(
+        "custom_loops.py", str(tmp_path), "--strategy", "hybrid", "--cases", "two_optimizers", ps=1
+    )
+    assert code != 0 and "CUSTOM-LOOPS-DONE" not in log, log[-3000:]
+    assert "Received: optimizer 'first' applying gradients to tokens/embeddings" in log, log[-3000:]
+    assert "optimizer 'second'" in log and "Hybrid(sparse=[])" in log, log[-3000:]

@@ -18,6 +18,8 @@ The cases (each builds its model and optimizer afresh, from the same seed):
 - checkpoint: Adagrad (a slot per variable); after epoch 1 a `tf.train.CheckpointManager` saves (the
   chief into OUT/ckpt, the others into their own scratch directory), a new model and optimizer
   restore it, and epoch 2 trains on.
+- two_optimizers: a second optimizer made in the scope after the one the loop applies (Hybrid
+  with a ps refuses it by name).
 - fit_step: keras.io's "Customizing what happens in fit()": a Model subclass whose own
   `train_step` computes `self.compute_loss` and calls `self.optimizer.apply`, trained by `fit`.
 """
@@ -33,6 +35,8 @@ import numpy as np
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
 parser.add_argument("--strategy", required=True)
+parser.add_argument("--lr", type=float, default=0.1, help="the loops' SGD learning rate")
+parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--cases", default="dataset,function,inner,eval,checkpoint,fit_step")
 args = parser.parse_args()
 CASES = args.cases.split(",")
@@ -60,8 +64,9 @@ def make_strategy(name):
         if name == "model-parallel":  # one process of two logical CPUs
             tfstrat.split_cpu(2)
             mesh = tfstrat.DeviceMesh((1, 2), ["batch", "model"], devices=["CPU:0", "CPU:1"])
-        else:  # model-parallel-workers: a worker per part
-            mesh = tfstrat.DeviceMesh((1, 2), ["batch", "model"])
+        else:  # model-parallel-workers: the batch across 2 workers, the model over 2 CPUs each
+            tfstrat.split_cpu(2)
+            mesh = tfstrat.DeviceMesh((2, 2), ["batch", "model"])
         layout = tfstrat.LayoutMap(mesh)
         layout["hidden/kernel"] = (None, "model")  # column-parallel
         layout["hidden/bias"] = ("model",)
@@ -159,7 +164,7 @@ def wait_for_checkpoint(directory, timeout=60):
 
 
 def sgd():
-    return keras.optimizers.SGD(0.1)
+    return keras.optimizers.SGD(args.lr)
 
 
 report = {"num_replicas_in_sync": strategy.num_replicas_in_sync}
@@ -167,7 +172,9 @@ report = {"num_replicas_in_sync": strategy.num_replicas_in_sync}
 if "dataset" in CASES:
     model, optimizer = build(sgd)
     _, step = trainer(model, optimizer)
-    losses = epochs(step, lambda: strategy.experimental_distribute_dataset(dataset().batch(GLOBAL)))
+    losses = epochs(
+        step, lambda: strategy.experimental_distribute_dataset(dataset().batch(GLOBAL)), args.epochs
+    )
     first = next(iter(strategy.experimental_distribute_dataset(dataset().batch(GLOBAL))))
     gathered = strategy.gather(first[1], axis=0)
     report["dataset"] = {
@@ -286,6 +293,14 @@ if "checkpoint" in CASES:
         "iterations": int(optimizer.iterations.numpy()),
     }
 
+if "two_optimizers" in CASES:  # the table's optimizer is not the latest made in the scope
+    with strategy.scope():
+        model = build_model()
+        optimizer = keras.optimizers.SGD(args.lr, name="first")
+        later = keras.optimizers.SGD(args.lr, name="second")  # noqa: F841 (kept alive)
+    _, step = trainer(model, optimizer)
+    epochs(step, lambda: strategy.experimental_distribute_dataset(dataset().batch(GLOBAL)), 1)
+
 if "fit_step" in CASES:  # keras.io "Customizing what happens in fit()": its own train_step
 
     class CustomModel(keras.Model):
@@ -312,7 +327,7 @@ if "fit_step" in CASES:  # keras.io "Customizing what happens in fit()": its own
         plain = build_model()
         model = CustomModel(plain.inputs, plain.outputs)
         model.compile(
-            optimizer=keras.optimizers.Adagrad(0.1),
+            optimizer=keras.optimizers.SGD(args.lr),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
     model.fit(x, y, batch_size=GLOBAL, epochs=2, shuffle=False, verbose=0)

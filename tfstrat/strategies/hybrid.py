@@ -282,12 +282,13 @@ class Hybrid(CollectiveAllReduce):
 
     # -- custom training loops (`_custom_loops`) ------------------------------------------
 
-    _made = None  # the latest optimizer made in the scope
+    _made = ()  # weak references to the optimizers made in the scope, oldest first
 
     def _tfstrat_note_optimizer(self, optimizer) -> None:
         """An optimizer made in this strategy's scope: a custom loop's tables train with the
-        latest one (`fit` names its model's)."""
-        self._made = weakref.ref(optimizer)
+        latest one still alive (`fit` names its model's)."""
+        alive = [ref for ref in self._made if ref() is not None]
+        self._made = (*alive, weakref.ref(optimizer))
 
     def _tfstrat_check_apply(self, optimizer, variables) -> None:
         """Refuses an optimizer stepping a ps-held table that was pushed with another's settings."""
@@ -302,7 +303,7 @@ class Hybrid(CollectiveAllReduce):
             f"Received: optimizer {optimizer.name!r} applying gradients to {tables[0]}, a "
             "table tfstrat.Hybrid holds on the ps tasks, whose rows were pushed with "
             f"optimizer {getattr(pushed, 'name', None)!r}'s settings (the latest made in the "
-            "strategy's scope). Create the loop's optimizer last, train the tables with one "
+            "strategy's scope and still alive). Create the loop's optimizer last, train the tables with one "
             "optimizer, or keep the table mirrored: Hybrid(sparse=[])."
         )
 
@@ -315,8 +316,9 @@ class Hybrid(CollectiveAllReduce):
 
     def run(self, fn, args=(), kwargs=None, options=None):
         optimizer = getattr(getattr(fn, "__self__", None), "optimizer", None)
-        if optimizer is None and self._made is not None:  # a custom loop's step
-            optimizer = self._made()
+        if optimizer is None:  # a custom loop's step: the latest optimizer still alive
+            alive = [o for o in (ref() for ref in self._made) if o is not None]
+            optimizer = alive[-1] if alive else None
         if optimizer is not None and optimizer is not self._optimizer:
             self._optimizer = optimizer
             self._warn_sparse_dense(optimizer, getattr(fn, "__self__", None))
