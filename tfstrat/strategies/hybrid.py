@@ -318,8 +318,9 @@ class Hybrid(CollectiveAllReduce):
         optimizer = getattr(getattr(fn, "__self__", None), "optimizer", None)
         if optimizer is None:  # a custom loop's step: the latest optimizer still alive
             alive = [o for o in (ref() for ref in self._made) if o is not None]
-            optimizer = alive[-1] if alive else None
-        if optimizer is not None and optimizer is not self._optimizer:
+            if alive:
+                self._optimizer = alive[-1]
+        else:  # fit's (its model's optimizer; hooked once, with the model it reports)
             self._optimizer = optimizer
             self._warn_sparse_dense(optimizer, getattr(fn, "__self__", None))
         return super().run(fn, args=args, kwargs=kwargs, options=options)

@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import threading
 import weakref
 
 import tensorflow as tf
@@ -142,9 +141,6 @@ class _State:
         self.outer = outer  # the outer optimizer (a copy made in the strategy's scope) or None
         self.own = own  # ids of the variables above: not the inner optimizer's slots
         self.sync_fn = None  # the eager (end of epoch) sync, a tf.function
-
-
-_fit_step = threading.local()  # .active while fit's local step is traced
 
 
 class LocalSGD(CollectiveAllReduce):
@@ -389,11 +385,13 @@ class LocalSGD(CollectiveAllReduce):
                 )
             args, kwargs = _compute.unknown_batch((args, kwargs))  # alike on every worker
             rows = _compute.rows_of((args, kwargs))
-            _fit_step.active = True  # its optimizer steps locally (`_tfstrat_check_apply`)
+            # Its optimizer steps locally (`_tfstrat_check_apply`). A count on the strategy, not
+            # a thread's flag: a merge_call (a LossScaleOptimizer's) runs in another thread.
+            self._tracing_fit_steps += 1
             try:
                 logs = self._traced_step(model, fn, apart, args, kwargs, rows)
             finally:
-                _fit_step.active = False
+                self._tracing_fit_steps -= 1
             weight = tf.constant(1.0) if rows is None else tf.cast(rows, tf.float32)
             _local(state.rows).assign_add(weight)
             since = _local(state.since)
@@ -420,11 +418,13 @@ class LocalSGD(CollectiveAllReduce):
             return model.get_metrics_result()
         return fn(*args, **kwargs)
 
+    _tracing_fit_steps = 0  # fit's local steps being traced now (any replica's thread)
+
     def _tfstrat_check_apply(self, optimizer, variables) -> None:
         """A custom loop's optimizer step (`_custom_loops`): with `sync_every > 1` refused by
         name, since its gradient would be all-reduced each step (synchronous SGD, not local
         steps). With `sync_every=1` LocalSGD is synchronous SGD anyway: allowed."""
-        if self.sync_every <= 1 or getattr(_fit_step, "active", False):
+        if self.sync_every <= 1 or self._tracing_fit_steps > 0:
             return
         if getattr(optimizer, "_tfstrat_outer", False):  # the sync's own outer step
             return

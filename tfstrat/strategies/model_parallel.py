@@ -308,22 +308,6 @@ class _OnMesh:
                 norms[i] = summed[k]
         return norms
 
-    def gather(self, value, axis):
-        """Each slice of the batch once, in order (the devices of a model group hold the same
-        rows), as `strategy.gather` of a data-parallel strategy gives the global batch."""
-        whole = super().gather(value, axis)
-        mesh = self.mesh
-        if mesh is None or mesh.model_size == 1:
-            return whole
-        first = tf.constant([mesh.model_index(r) == 0 for r in range(len(mesh.devices))])
-
-        def once(t):
-            replica = tf.distribute.get_replica_context().replica_id_in_sync_group
-            return tf.fill(tf.shape(t)[axis : axis + 1], tf.gather(first, replica))
-
-        keep = super().gather(self.run(lambda v: tf.nest.map_structure(once, v), (value,)), 0)
-        return tf.nest.map_structure(lambda w, k: tf.boolean_mask(w, k, axis=axis), whole, keep)
-
     # -- input ----------------------------------------------------------------------------
 
     def experimental_distribute_dataset(self, dataset, options=None):
