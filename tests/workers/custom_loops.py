@@ -3,8 +3,9 @@ strategy (run by `tfstrat launch`, or in one process) or on one device (`--strat
 
 Usage:
     python custom_loops.py OUT --strategy NAME [--cases a,b,...]
-writes OUT/<task>.json: for each case, the final trainable weights (as lists), the losses the
-loop computed and what the strategy's API said. NAME is none (one device, no tfstrat),
+writes OUT/<task>.json (one device: OUT/reference.json): for each case, the final trainable weights (as lists), the losses the
+loop computed and what the strategy's API said. NAME is none or none-sparse (one device, no
+tfstrat; below),
 mirrored, collective, hybrid, ps-sync, ps-async, localsgd, localsgd-k, model-parallel (one
 process), model-parallel-workers.
 
@@ -45,7 +46,7 @@ import tfstrat  # noqa: E402
 
 
 def make_strategy(name):
-    if name == "none":
+    if name in ("none", "none-sparse"):
         return None
     if name == "mirrored":
         tfstrat.split_cpu(2)
@@ -81,7 +82,10 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from common import CLASSES, SEQ, VOCAB, data  # noqa: E402
 
-DENSIFY = strategy is None
+# One device: row gradients densified (tfstrat sums an embedding row's repeats before the
+# optimizer sees them, the dense update's semantics; Keras's sparse Adagrad steps each repeat),
+# or as Keras has them (`none-sparse`: what ModelParallel reproduces).
+DENSIFY = args.strategy == "none"
 strategy = strategy or tf.distribute.get_strategy()
 SUM = tf.distribute.ReduceOp.SUM
 GLOBAL = 16
@@ -124,7 +128,7 @@ def trainer(model, optimizer):
         with tf.GradientTape() as tape:
             loss = loss_fn(labels, model(features, training=True))
         grads = tape.gradient(loss, model.trainable_variables)
-        if DENSIFY:  # one device: Keras's sparse Adagrad treats duplicate ids apart (common.py)
+        if DENSIFY:
             grads = [
                 tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads
             ]
@@ -169,9 +173,17 @@ def sgd():
 
 report = {"num_replicas_in_sync": strategy.num_replicas_in_sync}
 
+
+def mean_loss(model):
+    """The model's mean loss over every example (eagerly)."""
+    per_example = keras.losses.sparse_categorical_crossentropy(y, model(x), from_logits=True)
+    return float(tf.reduce_mean(per_example))
+
+
 if "dataset" in CASES:
     model, optimizer = build(sgd)
     _, step = trainer(model, optimizer)
+    initial_loss = mean_loss(model)
     losses = epochs(
         step, lambda: strategy.experimental_distribute_dataset(dataset().batch(GLOBAL)), args.epochs
     )
@@ -190,6 +202,7 @@ if "dataset" in CASES:
         while int(optimizer.iterations.numpy()) < expected and time.monotonic() < deadline:
             time.sleep(0.1)
         report["dataset"]["final_iterations"] = int(optimizer.iterations.numpy())
+        report["dataset"]["loss_before_after"] = [initial_loss, mean_loss(model)]
 
 if "function" in CASES:
     model, optimizer = build(sgd)

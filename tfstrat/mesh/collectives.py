@@ -387,20 +387,18 @@ def _copy(value):
 
 def _sum_parts(parts):
     """The sum of a data group's parts; row gradients (`IndexedSlices`) are concatenated, as one
-    device's gradient of the whole batch holds every looked-up row, and each row's repeats
-    summed (a dense gradient's rows, as every tfstrat strategy reduces them: Keras's sparse
-    Adagrad and Adam would otherwise step a repeated row once per repeat)."""
+    device's gradient of the whole batch holds every looked-up row."""
     if any(isinstance(p, tf.IndexedSlices) for p in parts):
         if not all(isinstance(p, tf.IndexedSlices) for p in parts):
             return tf.add_n([tf.convert_to_tensor(p) for p in parts])
-        from tfstrat.reduce import sparse
-
-        return sparse.dedup(
-            tf.IndexedSlices(
-                tf.concat([p.values for p in parts], 0),
-                tf.concat([p.indices for p in parts], 0),
-                parts[0].dense_shape,
+        if len(parts) == 1:
+            return tf.IndexedSlices(
+                tf.identity(parts[0].values), tf.identity(parts[0].indices), parts[0].dense_shape
             )
+        return tf.IndexedSlices(
+            tf.concat([p.values for p in parts], 0),
+            tf.concat([p.indices for p in parts], 0),
+            parts[0].dense_shape,
         )
     return tf.add_n([tf.identity(p) for p in parts])
 
