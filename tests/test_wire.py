@@ -33,6 +33,10 @@ FUZZ = settings(
 )
 LENGTH = struct.Struct("<I")
 TABLE = 2**62
+FUZZED = {0: (50, 4), 1: (7, 3)}  # tables the generated calls reach (ids -2..3 are drawn)
+# What a malformed call may raise on the server (answered as "failed: <type>: ..."); anything
+# else (a TypeError, a KeyError) is a bug the fuzzer found.
+HANDLED = ("UsageError", "ValueError", "BadFrame")
 CRASHES: list[str] = []  # exceptions that escaped a server thread (none may)
 CAP = 1 << 20  # TFSTRAT_WIRE_MAX_BYTES while fuzzing: no case may allocate much beyond it
 
@@ -55,6 +59,7 @@ def server():
     spec = np.frombuffer(json.dumps({"zeros": True}).encode(), np.uint8)
     worker.send("create", np.int64(TABLE), np.int64(50), np.int64(4), np.int64(1), spec)
     worker.receive("create")
+    _create_fuzzed(worker)
     yield port, worker
     worker.close()
     served.close()
@@ -65,6 +70,15 @@ def server():
     else:
         os.environ["TFSTRAT_WIRE_MAX_BYTES"] = before
     logging.getLogger("tfstrat.ps.wire").setLevel(logging.NOTSET)
+
+
+def _create_fuzzed(worker) -> None:
+    """The tables the generated calls reach (again, after a generated `drop`; `create` of a
+    table that exists does nothing). One worker each: a generated push is applied at once."""
+    spec = np.frombuffer(json.dumps({"zeros": True}).encode(), np.uint8)
+    for number, (rows, dim) in FUZZED.items():
+        worker.send("create", np.int64(number), np.int64(rows), np.int64(dim), np.int64(1), spec)
+        worker.receive("create")
 
 
 def _still_serves(worker) -> None:
@@ -172,6 +186,7 @@ def test_fuzz_lying_headers(server, method, arrays, length, body):
 
 ARRAYS = st.lists(
     st.one_of(
+        st.integers(-2, 3).map(np.int64),  # a table of FUZZED, a worker, a step
         st.integers(-(2**40), 2**40).map(np.int64),
         st.lists(st.integers(-5, 60), max_size=6).map(lambda v: np.array(v, np.int64)),
         st.lists(st.floats(allow_nan=True, width=32), max_size=8).map(
@@ -195,11 +210,35 @@ def test_fuzz_calls_with_wrong_arrays_keep_the_connection(server, method, arrays
     then still serves. (`create` is left out: a generated size could take the machine's
     memory, which is a ps's job to hold.)"""
     _, worker = server
+    _create_fuzzed(worker)
     worker.send(method, *arrays)
     try:
         worker.receive(method)
     except wire.TableServerError as e:
-        assert "failed:" in str(e)
+        kind = str(e).split("failed: ", 1)[1].split(":", 1)[0]
+        assert kind in HANDLED, e  # a handled refusal, not an internal error
+    _still_serves(worker)
+
+
+def test_worker_counts_past_the_cap_are_refused(server):
+    """A synchronous group keeps state per worker: a frame claiming 2^40 workers is refused
+    before anything of that length is made."""
+    _, worker = server
+    tracemalloc.reset_peak()
+    held = tracemalloc.get_traced_memory()[0]
+    calls = [
+        ("steps_open", np.int64(7), np.int64(2**40), np.int64(1)),
+        ("steps_begin_run", np.int64(7), np.zeros(16, np.uint8), np.int64(2**40), np.int64(1)),
+        ("steps_join_run", np.int64(7), np.int64(1), np.zeros(16, np.uint8), np.int64(2**40),
+         np.int64(1)),
+        ("steps_exchange", np.int64(7), np.int64(0), np.int64(2**40), np.int64(0),
+         np.zeros(1), np.int64(1)),
+    ]  # fmt: skip
+    for method, *arrays in calls:
+        worker.send(method, *arrays)
+        with pytest.raises(wire.TableServerError, match="a group has 1 to 65,536"):
+            worker.receive(method)
+    assert tracemalloc.get_traced_memory()[1] - held < CAP
     _still_serves(worker)
 
 
