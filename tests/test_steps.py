@@ -62,7 +62,8 @@ def test_a_wait_blocks_on_the_ps_until_what_it_waits_for_happens():
         started = time.monotonic()
         ready, left_out, *stop = worker.call("wait_applied", 1, 0, steps.WAIT_MS)
         took = time.monotonic() - started
-        assert (ready, left_out) == (1, 0) and 0.2 < took < 0.9, took  # woken, not the pause
+        # Ready: woken by the publish (a wait that ran out answers 0), after blocking for it.
+        assert (ready, left_out) == (1, 0) and took > 0.2, (ready, took)
         # A wait that never ends fails after the client's timeout, saying why.
         started = time.monotonic()
         with pytest.raises(TimeoutError, match="step 1 was never applied"):
