@@ -154,3 +154,73 @@ def test_refusals_are_logged_once_per_address_and_stop_at_the_cap(monkeypatch):
     assert len(lines) == 4, lines
     assert all("refused a connection from 10.9.0." in line for line in lines[:3])
     assert "refused connections from 3 addresses; further refusals are not logged" in lines[3]
+
+
+def _handshake(server_side, client_side):
+    """Runs `server_side(sock)` in a thread and `client_side(sock)` here, on the two ends of
+    a loopback TCP connection; returns (the server's exception or None, the client's)."""
+    import threading
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        b = socket.create_connection(listener.getsockname()[:2], timeout=10)
+        a, _ = listener.accept()
+    outcome = {}
+
+    def serve():
+        try:
+            server_side(a)
+        except Exception as e:  # noqa: BLE001 (compared by the test)
+            outcome["server"] = e
+        finally:
+            a.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        client_side(b)
+    except Exception as e:  # noqa: BLE001
+        outcome["client"] = e
+    finally:
+        b.close()
+    thread.join(15)
+    return outcome.get("server"), outcome.get("client")
+
+
+def test_a_task_of_the_failed_attempt_cannot_join_the_next(monkeypatch):
+    """Attempt 0's secret against attempt 1's listener (a straggler of a failed attempt):
+    refused on both sides, each naming why, within the handshake's deadline."""
+    monkeypatch.setattr(secret, "_refused", set())
+    base = b"the job's base secret"
+    old, new = (secret.derive(base, k).encode() for k in (0, 1))
+    start = time.monotonic()
+    server, client = _handshake(
+        lambda s: secret.accept(s, new, "worker 0's ring", 5),
+        lambda s: secret.connect(s, old, "worker 0", 5),
+    )
+    assert isinstance(server, secret.Refused), server
+    assert "does not know this job's secret" in str(server)
+    assert isinstance(client, secret.Refused), client
+    assert "refused this task: its job secret differs" in str(client)
+    assert time.monotonic() - start < 10
+    # The same attempt's secret gets in.
+    assert _handshake(
+        lambda s: secret.accept(s, new, "worker 0's ring", 5),
+        lambda s: secret.connect(s, new, "worker 0", 5),
+    ) == (None, None)
+
+
+def test_a_listener_that_cannot_prove_the_secret_is_refused():
+    """A server that speaks the handshake but answers with a wrong proof (it does not know
+    the job's secret: an impostor on the port) is refused by the connecting task."""
+    import os
+
+    def impostor(sock):
+        sock.sendall(secret.MAGIC + os.urandom(16))
+        got = b""
+        while len(got) < len(secret.MAGIC) + 16 + 32:
+            got += sock.recv(100)
+        sock.sendall(os.urandom(32))  # not HMAC(secret, "server" + ...)
+
+    _, client = _handshake(impostor, lambda s: secret.connect(s, b"job A", "ps:0", 5))
+    assert isinstance(client, secret.Refused), client
+    assert "ps:0 does not know this job's secret: it is not a task of this job" in str(client)

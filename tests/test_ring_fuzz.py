@@ -53,9 +53,10 @@ def _read(sock, n):
     return buf
 
 
-def _worker_and_peer():
+def _worker_and_peer(offer=None, flag=b"\0"):
     """Worker 0, a real `Ring`, and worker 1 played by hand: (ring, the socket that sends to
-    the ring, the socket the ring sends to)."""
+    the ring, the socket the ring sends to). `offer(its own offer)`: the shared-memory offer
+    worker 1 answers with (default: none), then `flag` (whether it opened worker 0's)."""
     listeners = [ring.listen("127.0.0.1") for _ in range(2)]
     addresses = [_ports.join("127.0.0.1", s.getsockname()[1]) for s in listeners]
     made = {}
@@ -71,8 +72,9 @@ def _worker_and_peer():
     outgoing = socket.create_connection(("127.0.0.1", listeners[0].getsockname()[1]), timeout=10)
     secret.connect(outgoing, KEY, "worker 0", 10)
     outgoing.sendall(HELLO.pack(1, 2))
-    _read(incoming, shared_memory.OFFER.size)  # its offer (none: shared memory is off)
-    outgoing.sendall(shared_memory.OFFER.pack(0, 0, bytes(16)) + b"\0")
+    theirs = _read(incoming, shared_memory.OFFER.size)  # its offer (none if shared memory is off)
+    mine = offer(theirs) if offer else shared_memory.OFFER.pack(0, 0, bytes(16))
+    outgoing.sendall(mine + flag)
     _read(incoming, 1)
     worker.join(10)
     listeners[1].close()
@@ -111,7 +113,25 @@ def _exchange_against(data: bytes):
     assert error is None or isinstance(error, RingError), repr(error)
     if error is not None:
         assert "worker 1" in str(error) or "other worker" in str(error), str(error)
+    else:
+        summed, gathers = outcome["result"]
+        assert len(gathers) == 1, gathers
+        _check_result(data, summed, gathers[0])
     return outcome
+
+
+def _check_result(data: bytes, summed, gathered) -> None:
+    """A call that succeeded took a frame a worker could have sent (call 1, two parts: the
+    4 floats summed, rows of 3 gathered), and its result is exactly what that frame said."""
+    call, count = HEADER.unpack(data[: HEADER.size])
+    assert (call, count) == (1, 2), (call, count)
+    at = HEADER.size + 2 * SIZE.size
+    first, second = (SIZE.unpack(data[k : k + SIZE.size])[0] for k in (HEADER.size, at - 8))
+    assert first == 16 and second % 12 == 0, (first, second)
+    theirs = np.frombuffer(data[at : at + 16], np.float32)
+    rows = np.frombuffer(data[at + 16 : at + 16 + second], np.float32).reshape(-1, 3)
+    np.testing.assert_array_equal(summed, theirs + 1)
+    np.testing.assert_array_equal(gathered, np.concatenate([np.ones((2, 3), np.float32), rows]))
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -162,3 +182,36 @@ def test_the_right_frame_is_summed_and_gathered():
     summed, (gathered,) = outcome["result"]
     assert summed.tolist() == (mine + 1).tolist()
     assert gathered.tolist() == [[1, 1, 1], [1, 1, 1], [7, 7, 7]]
+
+
+@FUZZ
+@given(
+    pid=st.sampled_from(["this process", 0, 1, 2**32 - 1]),
+    fd=st.integers(0, 40),
+    token=st.sampled_from(["the worker's", "zeros", "random"]),
+    flag=st.sampled_from([b"\0", b"\1", b"\x7f"]),
+)
+def test_fuzz_the_shared_memory_offer(monkeypatch, pid, fd, token, flag):
+    """Worker 1's shared-memory offer (process, file number, token) pointing anywhere in this
+    process or none, with the worker's own token or another, and any flag: the ring forms
+    within its timeout and shares memory only with a region it could open and prove; every
+    other offer leaves it on TCP."""
+    monkeypatch.setenv(shared_memory.ENV, "1")
+
+    def offer(own):
+        own_pid, own_fd, own_token = shared_memory.OFFER.unpack(own)
+        proof = {"the worker's": own_token, "zeros": bytes(16)}.get(token, os.urandom(16))
+        return shared_memory.OFFER.pack(os.getpid() if pid == "this process" else pid, fd, proof)
+
+    started = time.monotonic()
+    r, outgoing, incoming = _worker_and_peer(offer, flag)
+    try:
+        assert time.monotonic() - started < 5.0 + 10
+        # A region opens only by this process's file of that token: the worker's own offer
+        # played back is the one way (a broken peer could do it; the test shows no other).
+        if r.transport == "shared memory":
+            assert pid == "this process" and token == "the worker's" and flag == b"\1"
+    finally:
+        outgoing.close()
+        incoming.close()
+        r.close()

@@ -62,7 +62,8 @@ def test_a_wait_blocks_on_the_ps_until_what_it_waits_for_happens():
         started = time.monotonic()
         ready, left_out, *stop = worker.call("wait_applied", 1, 0, steps.WAIT_MS)
         took = time.monotonic() - started
-        assert (ready, left_out) == (1, 0) and 0.2 < took < 0.9, took  # woken, not the pause
+        # Ready: woken by the publish (a wait that ran out answers 0), after blocking for it.
+        assert (ready, left_out) == (1, 0) and took > 0.2, (ready, took)
         # A wait that never ends fails after the client's timeout, saying why.
         started = time.monotonic()
         with pytest.raises(TimeoutError, match="step 1 was never applied"):
@@ -90,3 +91,83 @@ def test_a_stop_request_in_a_mail_the_chief_took_reaches_every_worker_for_that_s
     s.publish(0, 0)
     for w in range(3):
         assert list(s.wait_applied(0, w, 0, 10))[2:] == [0, 1]
+
+
+def _in_thread(fn, *args):
+    """Runs `fn(*args)` in a thread; returns a function that joins it and gives its result."""
+    out = {}
+    thread = threading.Thread(target=lambda: out.update(result=fn(*args)), daemon=True)
+    thread.start()
+
+    def result():
+        thread.join(10)
+        assert not thread.is_alive(), "the call did not return"
+        return out["result"]
+
+    return result
+
+
+def _begun(s, run) -> None:
+    """Waits (on the state's own condition) until the chief's `run` began on `s`."""
+    with s.changed:
+        began = s.changed.wait_for(lambda: 0 in s.runs and s.runs[0].run == run.tobytes(), 10)
+    assert began, "the chief's begin_run never started"
+
+
+RUN_A, RUN_B = np.full(16, 1, np.uint8), np.full(16, 2, np.uint8)
+NONCE_1, NONCE_2 = np.full(16, 7, np.uint8), np.full(16, 8, np.uint8)
+
+
+def test_a_new_run_drops_the_earlier_runs_step_state_and_exchanges():
+    """A ps that outlived its workers: the relaunched chief's new run id drops the group's
+    step state (a stale mail must not count as a new worker's) and half-done exchanges; the
+    workers that join the new run get its id."""
+    s = steps.Steps()
+    chief = _in_thread(s.begin_run, 0, RUN_A, 2, 2000)
+    _begun(s, RUN_A)
+    assert list(s.join_run(0, 1, NONCE_1, 2, 2000)) == [1, *RUN_A]
+    assert list(chief()) == [1, 1]
+    s.open(0, 2, 2)
+    s.mail(0, 1, 0, 8.0, NO_STOP)  # worker 1 mailed step 0, then the job failed
+    assert s.exchange(0, 1, 2, 0, [5.0], 0)[0] == 0  # and waited in an exchange
+    chief = _in_thread(s.begin_run, 0, RUN_B, 2, 2000)
+    _begun(s, RUN_B)
+    assert list(s.join_run(0, 1, NONCE_2, 2, 2000)) == [1, *RUN_B]
+    assert list(chief()) == [1, 1]
+    with pytest.raises(UsageError, match="no synchronous training group 0"):
+        s.mail(0, 1, 0, 8.0, NO_STOP)  # the earlier run's group is gone
+    s.open(0, 2, 2)
+    ready, *_ = s.wait_mailed(0, 0, 10)
+    assert ready == 0  # worker 1's old mail does not count in the new run
+    assert s.exchanges == {}  # nor does its old exchange
+
+
+def test_a_worker_given_another_cluster_is_named_then_joins_once_corrected():
+    """A worker whose count of workers differs is refused at once (both sides name the other's
+    count); relaunched with the right count, it joins the chief's next run."""
+    s = steps.Steps()
+    started = time.monotonic()
+    chief = _in_thread(s.begin_run, 0, RUN_A, 2, 5000)
+    _begun(s, RUN_A)
+    assert list(s.join_run(0, 1, NONCE_1, 3, 5000))[:2] == [-1, 2]  # learns the chief's 2
+    answer = list(chief())
+    assert answer[:3] == [-1, 1, 3], answer  # the chief: worker 1 says 3 workers
+    assert time.monotonic() - started < 2.5, "named at once, not after the waits"
+    chief = _in_thread(s.begin_run, 0, RUN_B, 2, 2000)
+    _begun(s, RUN_B)
+    assert list(s.join_run(0, 1, NONCE_2, 2, 2000)) == [1, *RUN_B]
+    assert list(chief()) == [1, 1]
+
+
+def test_an_exchange_gives_every_worker_all_values_once_all_handed_in():
+    """`strategy.reduce`/`gather` across ParameterServer workers: each worker's values in
+    worker order, once every worker handed in that call's; forgotten once all read it."""
+    s = steps.Steps()
+    first = _in_thread(s.exchange, 0, 0, 2, 0, [1.0, 2.0], 2000)
+    second = s.exchange(0, 1, 2, 0, [3.0], 2000)
+    assert list(second) == [1, 2, 1, 1.0, 2.0, 3.0]
+    assert list(first()) == [1, 2, 1, 1.0, 2.0, 3.0]
+    assert s.exchanges == {}
+    assert list(s.exchange(0, 0, 2, 1, [4.0], 0)) == [0, 1, 0]  # worker 1 has not come
+    with pytest.raises(UsageError, match="worker 2 is not one of the group's 2"):
+        s.exchange(0, 2, 2, 1, [4.0], 0)

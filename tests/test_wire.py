@@ -6,6 +6,7 @@ worker's connection still gets its answers, and no case makes the server allocat
 A longer run: `TFSTRAT_FUZZ_EXAMPLES=100000 pytest tests/test_wire.py -k fuzz`.
 """
 
+import collections
 import json
 import logging
 import os
@@ -33,6 +34,11 @@ FUZZ = settings(
 )
 LENGTH = struct.Struct("<I")
 TABLE = 2**62
+FUZZED = {0: (50, 4), 1: (7, 3)}  # tables the generated calls reach (ids -2..3 are drawn)
+# What a malformed call may raise on the server (answered as "failed: <type>: ..."); anything
+# else (a TypeError, a KeyError) is a bug the fuzzer found.
+HANDLED = ("UsageError", "ValueError", "BadFrame")
+ANSWERED = collections.Counter()  # generated calls answered (not refused), by method
 CRASHES: list[str] = []  # exceptions that escaped a server thread (none may)
 CAP = 1 << 20  # TFSTRAT_WIRE_MAX_BYTES while fuzzing: no case may allocate much beyond it
 
@@ -55,6 +61,7 @@ def server():
     spec = np.frombuffer(json.dumps({"zeros": True}).encode(), np.uint8)
     worker.send("create", np.int64(TABLE), np.int64(50), np.int64(4), np.int64(1), spec)
     worker.receive("create")
+    _create_fuzzed(worker)
     yield port, worker
     worker.close()
     served.close()
@@ -65,6 +72,15 @@ def server():
     else:
         os.environ["TFSTRAT_WIRE_MAX_BYTES"] = before
     logging.getLogger("tfstrat.ps.wire").setLevel(logging.NOTSET)
+
+
+def _create_fuzzed(worker) -> None:
+    """The tables the generated calls reach (again, after a generated `drop`; `create` of a
+    table that exists does nothing). One worker each: a generated push is applied at once."""
+    spec = np.frombuffer(json.dumps({"zeros": True}).encode(), np.uint8)
+    for number, (rows, dim) in FUZZED.items():
+        worker.send("create", np.int64(number), np.int64(rows), np.int64(dim), np.int64(1), spec)
+        worker.receive("create")
 
 
 def _still_serves(worker) -> None:
@@ -172,6 +188,7 @@ def test_fuzz_lying_headers(server, method, arrays, length, body):
 
 ARRAYS = st.lists(
     st.one_of(
+        st.integers(-2, 3).map(np.int64),  # a table of FUZZED, a worker, a step
         st.integers(-(2**40), 2**40).map(np.int64),
         st.lists(st.integers(-5, 60), max_size=6).map(lambda v: np.array(v, np.int64)),
         st.lists(st.floats(allow_nan=True, width=32), max_size=8).map(
@@ -181,6 +198,61 @@ ARRAYS = st.lists(
     ),
     max_size=8,
 )
+
+
+FLOATS = st.floats(allow_nan=True, allow_infinity=True, width=32)
+
+
+@st.composite
+def table_calls(draw):
+    """A call of a table method with plausible arrays (real tables, ids and rows near their
+    bounds, any float32 value, the optimizer numbers a push carries), sometimes mutated (an
+    array dropped, added or replaced by any of ARRAYS'): (method, arrays)."""
+    method = draw(st.sampled_from(["lookup", "push", "read", "write", "read_slot", "write_slot"]))
+    table = draw(st.sampled_from([0, 1, 1, 7]))  # 7 does not exist
+    rows, dim = FUZZED.get(table, (5, 2))
+    ids = np.array(draw(st.lists(st.integers(-2, rows + 1), max_size=6)), np.int64)
+    step, lo = np.int64(draw(st.integers(-1, 3))), np.int64(draw(st.integers(-2, rows + 1)))
+    hi, slot = np.int64(draw(st.integers(-2, rows + 2))), np.int64(draw(st.integers(-1, 3)))
+    n = draw(st.integers(0, 4)) * dim
+    values = np.array(draw(st.lists(FLOATS, min_size=n, max_size=n)), np.float32)
+    if method == "lookup":
+        arrays = [np.int64(table), ids, step]
+    elif method == "push":
+        grads = draw(st.lists(FLOATS, min_size=ids.size * dim, max_size=ids.size * dim))
+        kind = draw(st.integers(-1, 6))
+        hyper = [
+            kind,
+            *draw(st.lists(FLOATS, min_size=tables.HYPER - 1, max_size=tables.HYPER - 1)),
+        ]
+        arrays = [np.int64(table), step, ids, np.array(grads, np.float32),
+                  np.array(hyper, np.float32), np.float32(draw(FLOATS)),
+                  np.int64(draw(st.integers(-1, 2)))]  # fmt: skip
+    elif method == "read":
+        arrays = [np.int64(table), lo, hi, step]
+    elif method == "write":
+        arrays = [np.int64(table), lo, values]
+    elif method == "read_slot":
+        arrays = [np.int64(table), slot, lo, hi, step]
+    else:
+        arrays = [np.int64(table), slot, lo, values]
+    mutation = draw(st.sampled_from(["none", "none", "drop", "add", "replace"]))
+    if mutation == "drop" and arrays:
+        del arrays[draw(st.integers(0, len(arrays) - 1))]
+    elif mutation == "add":
+        arrays.append(draw(ARRAYS.filter(bool))[0])
+    elif mutation == "replace" and arrays:
+        arrays[draw(st.integers(0, len(arrays) - 1))] = draw(ARRAYS.filter(bool))[0]
+    return method, arrays
+
+
+@FUZZ
+@given(call=table_calls())
+def test_fuzz_table_calls_near_their_bounds(server, call):
+    """Calls on real tables, plausible but for their values (ids and row ranges past the
+    table's bounds, NaN and inf rows, any optimizer kind, a missing or extra array): each is
+    answered or refused with a handled error, and the connection still serves."""
+    _check_call(server, *call)
 
 
 @FUZZ
@@ -194,12 +266,50 @@ def test_fuzz_calls_with_wrong_arrays_keep_the_connection(server, method, arrays
     unknown tables, NaN): each gets its own answer or an error on the same connection, which
     then still serves. (`create` is left out: a generated size could take the machine's
     memory, which is a ps's job to hold.)"""
+    _check_call(server, method, arrays)
+
+
+def _check_call(server, method, arrays):
+    """Sends the call; its answer or a handled refusal (HANDLED), then the server still serves."""
     _, worker = server
+    _create_fuzzed(worker)
     worker.send(method, *arrays)
     try:
         worker.receive(method)
+        ANSWERED[method] += 1
     except wire.TableServerError as e:
-        assert "failed:" in str(e)
+        kind = str(e).split("failed: ", 1)[1].split(":", 1)[0]
+        assert kind in HANDLED, e  # a handled refusal, not an internal error
+    _still_serves(worker)
+
+
+def test_the_fuzzer_reached_the_tables():
+    """Generated calls were answered, not only refused: the fuzzer reached real tables."""
+    if not ANSWERED:
+        pytest.skip("the fuzz test above did not run")
+    for method in ("lookup", "push", "read", "write", "read_slot"):
+        assert ANSWERED[method] > 0, dict(ANSWERED)
+
+
+def test_worker_counts_past_the_cap_are_refused(server):
+    """A synchronous group keeps state per worker: a frame claiming 2^40 workers is refused
+    before anything of that length is made."""
+    _, worker = server
+    tracemalloc.reset_peak()
+    held = tracemalloc.get_traced_memory()[0]
+    calls = [
+        ("steps_open", np.int64(7), np.int64(2**40), np.int64(1)),
+        ("steps_begin_run", np.int64(7), np.zeros(16, np.uint8), np.int64(2**40), np.int64(1)),
+        ("steps_join_run", np.int64(7), np.int64(1), np.zeros(16, np.uint8), np.int64(2**40),
+         np.int64(1)),
+        ("steps_exchange", np.int64(7), np.int64(0), np.int64(2**40), np.int64(0),
+         np.zeros(1), np.int64(1)),
+    ]  # fmt: skip
+    for method, *arrays in calls:
+        worker.send(method, *arrays)
+        with pytest.raises(wire.TableServerError, match="a group has 1 to 65,536"):
+            worker.receive(method)
+    assert tracemalloc.get_traced_memory()[1] - held < CAP
     _still_serves(worker)
 
 

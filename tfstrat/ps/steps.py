@@ -111,9 +111,9 @@ class Steps:
         self.changed = threading.Condition()
 
     def exchange(self, group, worker, workers, call, values, ms):
-        w, n, key = int(worker), int(workers), (int(group), int(call))
-        if not 0 <= w < n <= MAX_WORKERS:
-            raise UsageError(f"worker {w} of {n}: a group has 1 to {MAX_WORKERS} workers")
+        w, n, key = int(worker), _check_workers(workers), (int(group), int(call))
+        if not 0 <= w < n:
+            raise UsageError(f"worker {w} is not one of the group's {n}")
         with self.changed:
             given, read = self.exchanges.setdefault(key, ({}, set()))
             if w not in given:
@@ -128,7 +128,7 @@ class Steps:
             return np.concatenate([[1.0], [float(len(p)) for p in parts], *parts])
 
     def begin_run(self, group, run, workers, ms):
-        run, workers = _id(run), int(workers)
+        run, workers = _id(run), _check_workers(workers)
         with self.changed:
             r = self.runs.setdefault(int(group), _Run())
             if r.run != run:  # the chief's first call of this run
@@ -163,6 +163,7 @@ class Steps:
 
     def join_run(self, group, worker, nonce, workers, ms):
         w, nonce = int(worker), _id(nonce)
+        _check_workers(workers)
         with self.changed:
             r = self.runs.setdefault(int(group), _Run())
             counted = lambda: r.members is not None and r.members.get(w) == nonce  # noqa: E731
@@ -192,6 +193,9 @@ class Steps:
         return w
 
     def open(self, group, workers, required):
+        _check_workers(workers)
+        if not 1 <= int(required) <= int(workers):
+            raise UsageError(f"{int(required)} gradients per step of {int(workers)} worker(s)")
         with self.changed:
             g = self.groups.setdefault(int(group), _Group(int(workers), int(required)))
             if (g.workers, g.required) != (int(workers), int(required)):
@@ -261,6 +265,14 @@ class Steps:
             g.fits[self._worker(g, worker)] += 1
             self.changed.notify_all()
             return np.int64(0)
+
+
+def _check_workers(workers) -> int:
+    """A frame's worker count, refused past `MAX_WORKERS` (state is kept per worker)."""
+    n = int(workers)
+    if not 1 <= n <= MAX_WORKERS:
+        raise UsageError(f"{n} workers: a group has 1 to {MAX_WORKERS:,}")
+    return n
 
 
 def _other_cluster(worker: str, count: int, chief: str, chief_count: int):

@@ -415,13 +415,15 @@ class Registry:
     def read(self, table, lo, hi, step=None):
         """Rows lo..hi once every step before `step` (None: every step pushed) is applied."""
         t = self.get(table)
+        lo, hi = _rows(table, t, lo, hi)
         with t.lock:
             t.wait_applied(None if step is None else int(step))
-            return np.array(t.rows_of(slice(int(lo), int(hi))), copy=True).reshape(-1)
+            return np.array(t.rows_of(slice(lo, hi)), copy=True).reshape(-1)
 
     def write(self, table, lo, values):
         t = self.get(table)
-        rows = np.asarray(values, np.float32).reshape(-1, t.dim)
+        rows = _values(t, values)
+        lo, _ = _rows(table, t, lo, int(lo) + len(rows))
         with t.lock:
             t.value[int(lo) : int(lo) + len(rows)] = rows
             if t.decay is not None:
@@ -439,22 +441,46 @@ class Registry:
 
     def read_slot(self, table, slot, lo, hi, step=None):
         t = self.get(table)
-        name = SLOTS[int(slot)]
+        name = _slot(slot)
+        lo, hi = _rows(table, t, lo, hi)
         if name not in t.slots:
             raise UsageError(f"tfstrat table {int(table)} has no slot {name!r}")
         with t.lock:
             t.wait_applied(None if step is None else int(step))
-            return t.slots[name][int(lo) : int(hi)].reshape(-1).copy()
+            return t.slots[name][lo:hi].reshape(-1).copy()
 
     def write_slot(self, table, slot, lo, values):
         t = self.get(table)
-        rows = np.asarray(values, np.float32).reshape(-1, t.dim)
+        name, rows = _slot(slot), _values(t, values)
+        lo, hi = _rows(table, t, lo, int(lo) + len(rows))
         with t.lock:  # never between a step's update of the table and of its slots
-            t.slot(SLOTS[int(slot)], 0.0)[int(lo) : int(lo) + len(rows)] = rows
+            t.slot(name, 0.0)[lo:hi] = rows
         return _ZERO
 
 
 _ZERO = np.int64(0)
+
+
+def _rows(table, t: Table, lo, hi) -> tuple[int, int]:
+    """Row bounds a read or write names, refused unless 0 <= lo <= hi <= the table's rows."""
+    lo, hi = int(lo), int(hi)
+    if not 0 <= lo <= hi <= t.rows:
+        raise UsageError(f"rows {lo}..{hi} of tfstrat table {int(table)}, which has {t.rows}")
+    return lo, hi
+
+
+def _values(t: Table, values) -> np.ndarray:
+    """A write's values as rows of the table's width, refused if they do not make whole rows."""
+    flat = np.asarray(values, np.float32).reshape(-1)
+    if flat.size % t.dim:
+        raise UsageError(f"{flat.size} values are not whole rows of {t.dim}")
+    return flat.reshape(-1, t.dim)
+
+
+def _slot(slot) -> str:
+    if not 0 <= int(slot) < len(SLOTS):
+        raise UsageError(f"slot {int(slot)}: the slots are 0..{len(SLOTS) - 1} {SLOTS}")
+    return SLOTS[int(slot)]
 
 
 def serve_tables(host: str, port: int, task: str, what: str = "table server"):

@@ -222,6 +222,7 @@ class Server:
                     if method not in self.handler.METHODS:
                         raise UsageError(f"no method {method!r}")
                     fn = getattr(self.handler, method)
+                    _check_arity(method, fn, arrays)
                     out = fn(*arrays)
                     out = out if isinstance(out, (list, tuple)) else [out]
                     reply = {}
@@ -250,6 +251,34 @@ class Server:
 
     def close(self):
         self.listener.close()
+
+
+# The arguments of the servers' methods that are single numbers: integers, or (a weight) any
+# real number. A frame with an array there is refused naming it, before the method runs.
+_INTEGERS = frozenset(
+    "table dim workers droppers key value step lo hi replica group worker ms call required "
+    "slot".split()
+)
+
+
+def _check_arity(method: str, fn, arrays) -> None:
+    """A call with the wrong number of arrays, or an array where a number belongs, is refused
+    naming the method's arguments (not a TypeError from inside the server)."""
+    import inspect
+
+    signature = inspect.signature(fn)
+    try:
+        bound = signature.bind(*arrays)
+    except TypeError:
+        names = ", ".join(signature.parameters)
+        raise UsageError(f"{method} takes ({names}), not {len(arrays)} array(s)") from None
+    for name, value in bound.arguments.items():
+        kinds = "iub" if name in _INTEGERS else "iubf" if name == "rows" else None
+        if kinds and (np.ndim(value) != 0 or np.asarray(value).dtype.kind not in kinds):
+            raise UsageError(
+                f"{method}: {name} is a single {'integer' if name != 'rows' else 'number'}, "
+                f"not an array of shape {np.shape(value)} and dtype {np.asarray(value).dtype}"
+            )
 
 
 def serve(host: str, port: int, handler, task: str, what: str) -> Server:
