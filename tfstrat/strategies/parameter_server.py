@@ -13,7 +13,9 @@ the worker, reads and optimizer updates run on the ps that holds each variable.
   gradient of the global batch however it splits) and applies them once (`tfstrat.ps.sync`);
   later gradients of that step are dropped and counted.
 
-Metrics and Keras's random-seed state stay on the worker: logs are per worker.
+Metrics and Keras's random-seed state stay on the worker: `fit`'s logs are per worker. Custom
+training loops (docs/custom-loops.md): under sync each worker is a replica; `reduce`, `gather`
+and a metric read outside a step go across the workers through ps 0 (`steps_exchange`).
 """
 
 from __future__ import annotations
@@ -215,7 +217,8 @@ class ParameterServer(distribute_lib.Strategy):
 
     Input: the dataset given to `fit` / `evaluate` carries the global batch; worker w trains
     on rows [w*n//W, (w+1)*n//W) of each batch of n rows. `predict` runs whole batches on
-    every worker. Logs and metrics are per worker (computed on that worker's rows).
+    every worker. `fit`'s logs are per worker (computed on that worker's rows); under sync a
+    metric read outside a step (`metric.result()` after a custom loop) sums every worker's.
     """
 
     def __init__(
