@@ -12,6 +12,8 @@ What each is for:
 - `gen_resource_variable_ops`, `handle_data_util`, `resource_variable_ops`: variables placed
   on a ps task.
 - `nest`: TensorFlow's structure utilities, as the strategies it extends use them.
+- `in_control_flow()`: whether ops made now go into a loop's body or a cond's branch (a graph's
+  private `is_control_flow_graph`), where a MirroredStrategy `merge_call` cannot run.
 """
 
 from tensorflow.python.distribute import (  # noqa: F401
@@ -32,3 +34,11 @@ from tensorflow.python.ops import (  # noqa: F401
     resource_variable_ops,
 )
 from tensorflow.python.util import nest  # noqa: F401
+
+
+def in_control_flow() -> bool:
+    """Whether ops made now go into a loop's body or a cond's branch, not the function's own
+    graph: there a MirroredStrategy `merge_call` cannot run (TensorFlow 2.21 raises)."""
+    from tensorflow.python.framework import ops
+
+    return bool(getattr(ops.get_default_graph(), "is_control_flow_graph", False))

@@ -424,9 +424,10 @@ class RemoteTable:
 
 
 def _in_replica_graph() -> bool:
-    """Whether ops made now go into the replica function's own graph: not a cond's branch or
-    a loop's body, where a MirroredStrategy `merge_call` cannot run (TF 2.21 raises)."""
-    return not getattr(tf.compat.v1.get_default_graph(), "is_control_flow_graph", False)
+    """Whether ops made now go into the replica function's own graph (`in_control_flow`)."""
+    from tfstrat._compat.tf import in_control_flow
+
+    return not in_control_flow()
 
 
 def optimizer_kind(optimizer) -> str | None:

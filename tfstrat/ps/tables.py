@@ -423,11 +423,11 @@ class Registry:
     def write(self, table, lo, values):
         t = self.get(table)
         rows = _values(t, values)
-        lo, _ = _rows(table, t, lo, int(lo) + len(rows))
+        lo, hi = _rows(table, t, lo, int(lo) + len(rows))
         with t.lock:
-            t.value[int(lo) : int(lo) + len(rows)] = rows
+            t.value[lo:hi] = rows
             if t.decay is not None:
-                t.decay.written(slice(int(lo), int(lo) + len(rows)))
+                t.decay.written(slice(lo, hi))
             if t.pending:  # a restore starts afresh: a failed step's pushes are void
                 logger.info("tfstrat server: table %d restored; %d pushes of step %s dropped",
                             int(table), len(t.pending), t.pending_step)  # fmt: skip

@@ -15,7 +15,7 @@ import weakref
 
 import tensorflow as tf
 
-from tfstrat._compat.tf import cross_device_ops, nest
+from tfstrat._compat.tf import cross_device_ops, in_control_flow, nest
 from tfstrat.errors import UsageError
 from tfstrat.reduce import compression, sparse
 
@@ -82,7 +82,7 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
                 # TensorFlow's gather of an unknown row count is a cond of collectives whose
                 # calls interleave across a loop's iterations (a custom loop's `tf.range`):
                 # there, such a gradient is all-reduced densely.
-                densify = densify or (rows[i] is None and _in_control_flow())
+                densify = densify or (rows[i] is None and in_control_flow())
                 with tf.device(self._devices[replica_id]):
                     v = sparse.dedup(v)
                     flat[i] = tf.convert_to_tensor(v) if densify else v
@@ -300,11 +300,6 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
 
 
 _warned: set[str] = set()
-
-
-def _in_control_flow() -> bool:
-    """Whether ops made now go into a loop's body or a cond's branch."""
-    return bool(getattr(tf.compat.v1.get_default_graph(), "is_control_flow_graph", False))
 
 
 def _warn_once(message: str) -> None:

@@ -23,19 +23,17 @@ optimizer's own calls (`install`, once per process):
 
 from __future__ import annotations
 
+import contextlib
+
 import tensorflow as tf
 
 from tfstrat._compat import patches
 from tfstrat._compat.keras import BaseOptimizer
+from tfstrat._compat.tf import in_control_flow
 
 
 def _strategy_of(optimizer):
     return getattr(optimizer, "_distribution_strategy", None)
-
-
-def _in_replica_graph() -> bool:
-    """Not a loop's body or a cond's branch (where a merge_call cannot run)."""
-    return not getattr(tf.compat.v1.get_default_graph(), "is_control_flow_graph", False)
 
 
 def _build_eagerly(optimizer, variables) -> None:
@@ -49,7 +47,7 @@ def _build_eagerly(optimizer, variables) -> None:
             return
         with tf.init_scope():
             inside = strategy is None or tf.distribute.get_strategy() is strategy
-            scope = _nothing() if inside else strategy.scope()
+            scope = contextlib.nullcontext() if inside else strategy.scope()
             with scope, keras.name_scope(optimizer.name, caller=optimizer):
                 optimizer.build(variables)
             optimizer.built = True
@@ -58,19 +56,11 @@ def _build_eagerly(optimizer, variables) -> None:
     local = len(getattr(getattr(strategy, "extended", None), "worker_devices", ())) or 1
     if context is None or tf.distribute.in_cross_replica_context():
         build()
-    elif _in_replica_graph():
+    elif not in_control_flow():
         context.merge_call(build)  # once, in the cross-replica context, as fit builds it
     elif local == 1:
         build()  # a loop's body: no other replica of this process builds it
     # else: a loop's body on several local replicas; Keras builds it in the graph
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _apply(keras_apply):

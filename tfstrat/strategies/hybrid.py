@@ -303,8 +303,8 @@ class Hybrid(CollectiveAllReduce):
             f"Received: optimizer {optimizer.name!r} applying gradients to {tables[0]}, a "
             "table tfstrat.Hybrid holds on the ps tasks, whose rows were pushed with "
             f"optimizer {getattr(pushed, 'name', None)!r}'s settings (the latest made in the "
-            "strategy's scope and still alive). Create the loop's optimizer last, train the tables with one "
-            "optimizer, or keep the table mirrored: Hybrid(sparse=[])."
+            "strategy's scope and still alive). Create the loop's optimizer last, train the "
+            "tables with one optimizer, or keep the table mirrored: Hybrid(sparse=[])."
         )
 
     def placement(self) -> dict[str, list[str]]:

@@ -480,20 +480,9 @@ class ParameterServer(distribute_lib.Strategy):
         return super().experimental_distribute_dataset(self._sliced(dataset), options)
 
     def _sliced(self, dataset):
-        w, n_workers = self.worker_index, self.num_workers
+        """This worker's rows of each element (`_slice`, as the step slices Keras's input)."""
         whole = isinstance(dataset.element_spec, tuple)
-
-        def take(*element):
-            structure = element if whole else element[0]
-            flat = [t for t in nest.flatten(structure) if isinstance(t, tf.Tensor) and t.shape.rank]
-            if not flat:
-                return structure
-            n = tf.shape(flat[0], out_type=tf.int64)[0]
-            lo, hi = (w * n) // n_workers, ((w + 1) * n) // n_workers
-            cut = lambda t: t[lo:hi] if isinstance(t, tf.Tensor) and t.shape.rank else t  # noqa: E731
-            return nest.map_structure(cut, structure)
-
-        return dataset.map(take)
+        return dataset.map(lambda *element: self._slice(element if whole else element[0]))
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):
         """`dataset_fn` gets this worker's InputContext: one input pipeline per worker, and
