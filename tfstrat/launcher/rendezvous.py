@@ -264,10 +264,11 @@ class Rendezvous:
         """Stops serving, once the joiners this host answered have their answers (a launcher
         that exits right after its own would cut theirs off)."""
         self._closed = True
-        try:
-            self._listener.close()
+        try:  # shutdown wakes the accepting thread: only then is the port free again
+            self._listener.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+        self._listener.close()
         with self._answering_lock:
             self._answering_lock.wait_for(lambda: not self._answering, timeout=5.0)
 
