@@ -22,6 +22,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import netns
@@ -29,12 +30,21 @@ import numpy as np
 import pytest
 from paths import WORKERS
 
+from tfstrat.launcher.rendezvous import PROBE_SECONDS, WATCH_MISSES, WATCH_SECONDS
+
 pytestmark = [pytest.mark.cluster]
 
 PORT = 2222
 TOLERANCE = 1e-5
 RUN_SECONDS = 300  # one launch: three attempts' start-ups on 2 cores, 24 steps of 0.25 s
-BACK_WITHIN = 90  # from the kill to a step trained again: detection, rendezvous, start-up
+GRACE, REJOIN = 10, 20  # the launchers' --grace and --rejoin-window
+# A lost node is noticed within WATCH_MISSES missed hellos WATCH_SECONDS apart (each hello
+# waits up to PROBE_SECONDS to connect), after the last one it answered.
+DETECT = WATCH_SECONDS * (WATCH_MISSES + 1) + PROBE_SECONDS * WATCH_MISSES
+TF_START = 50  # three TensorFlow tasks' imports, the backup's restore, a first step (2 cores)
+# From the kill to a step trained again: detection, the survivors' tasks stopped (grace), the
+# round (closed at the latest by the rejoin window), the next attempt's start-up.
+BACK_WITHIN = DETECT + GRACE + REJOIN + TF_START
 APART = {"TFSTRAT_RING_SHARED_MEMORY": "0"}  # as between machines (test_multihost)
 STEP = re.compile(r"elastic: epoch (\d+) batch (\d+) restart (\d+) workers (\d+) at ([\d.]+)")
 
@@ -51,9 +61,9 @@ def _launch(net, rank: int, out, kind: str, ps: str | None, name: str):
         "--nodes", nodes, "--node-rank", str(rank), "--workers-per-node", "1",
         *(["--ps-per-node", ps] if ps else []),
         "--port", str(PORT), "--threads-per-task", "1",
-        "--restarts", "2", "--min-nodes", "2", "--rejoin-window", "20",
+        "--restarts", "2", "--min-nodes", "2", "--rejoin-window", str(REJOIN),
         "--backup-dir", str(out / "backup"), "--secret-file", str(out / "secret"),
-        "--timeout", str(RUN_SECONDS), "--show", "all", "--grace", "10",
+        "--timeout", str(RUN_SECONDS), "--show", "all", "--grace", str(GRACE),
         "--", sys.executable, "elastic_train.py", str(out), kind,
     ]  # fmt: skip
     env = {"PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2", **APART}
@@ -214,6 +224,8 @@ print("toy", os.environ["TFSTRAT_TASK"], "restart", restart, "workers",
       len(cluster["worker"]), "ps", len(cluster.get("ps", [])), flush=True)
 time.sleep(float(sys.argv[1]) if restart < 2 else 2)
 """
+TOY_GRACE = 5  # the launchers' default --grace (a toy task ends at once on SIGTERM)
+TOY_START = 10  # a launcher's toy tasks started (Python without TensorFlow), on a loaded machine
 
 
 def _toy_nodes(count: int) -> str:
@@ -224,7 +236,47 @@ def _toy_nodes(count: int) -> str:
     return ",".join(f"127.0.0.1:{base + 10 + 100 * i}" for i in range(count))
 
 
-def _toy_launchers(tmp_path, nodes, ranks, extra, seconds):
+class _Output:
+    """A launcher's output, read line by line by a thread as it comes: a wait for a line ends
+    at its deadline even while the launcher prints nothing."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc, self.lines, self._taken, self._ended = proc, [], 0, False
+        self._more = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            with self._more:
+                self.lines.append(line)
+                self._more.notify_all()
+        with self._more:
+            self._ended = True
+            self._more.notify_all()
+
+    def until(self, text: str, seconds: float) -> str:
+        """The lines not yet taken, up to the first that holds `text`."""
+        deadline = time.monotonic() + seconds
+        with self._more:
+            while True:
+                for i in range(self._taken, len(self.lines)):
+                    if text in self.lines[i]:
+                        out, self._taken = "".join(self.lines[self._taken : i + 1]), i + 1
+                        return out
+                left = deadline - time.monotonic()
+                assert left > 0 and not self._ended, (text, seconds, "".join(self.lines))
+                self._more.wait(left)
+
+    def rest(self, seconds: float) -> str:
+        """The lines not yet taken, once the launcher has exited (within `seconds`)."""
+        self.proc.wait(timeout=seconds)
+        with self._more:
+            assert self._more.wait_for(lambda: self._ended, timeout=10), "".join(self.lines)
+            out, self._taken = "".join(self.lines[self._taken :]), len(self.lines)
+            return out
+
+
+def _toy_launchers(tmp_path, nodes, ranks, extra, seconds) -> dict[int, _Output]:
     """Launchers of a toy job (no TensorFlow): `ranks` of `nodes`."""
     (tmp_path / "toy.py").write_text(TOY)
     (tmp_path / "backup").mkdir(exist_ok=True)
@@ -237,25 +289,16 @@ def _toy_launchers(tmp_path, nodes, ranks, extra, seconds):
             "--secret-file", str(tmp_path / "secret"), *extra,
             "--", sys.executable, str(tmp_path / "toy.py"), str(seconds),
         ]  # fmt: skip
-        procs[rank] = subprocess.Popen(
-            argv,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,  # killed whole, as a lost node's launcher and tasks
+        procs[rank] = _Output(
+            subprocess.Popen(
+                argv,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,  # killed whole, as a lost node's launcher and tasks
+            )
         )
     return procs
-
-
-def _read_until(proc, text: str, seconds: float) -> str:
-    """`proc`'s output lines up to the first that holds `text` (a loaded machine may take
-    long to start the first attempt: waiting for it beats a fixed sleep)."""
-    lines, deadline = [], time.monotonic() + seconds
-    while not lines or text not in lines[-1]:
-        line = proc.stdout.readline()
-        assert line and time.monotonic() < deadline, (text, "".join(lines))
-        lines.append(line)
-    return "".join(lines)
 
 
 def _toy_attempts(out: str) -> list[tuple[int, int]]:
@@ -274,26 +317,28 @@ def test_the_launchers_go_on_without_a_lost_node_and_take_it_back(tmp_path):
     extra = ["--restarts", "1", "--rejoin-window", "10"]
     nodes = _toy_nodes(3)
     procs = _toy_launchers(tmp_path, nodes, range(3), extra, 60)
-    seen = {r: _read_until(procs[r], f"toy worker:{r} restart 0 workers 3", 120) for r in procs}
+    seen = {r: procs[r].until(f"toy worker:{r} restart 0 workers 3", 120) for r in procs}
     killed_at = time.monotonic()
-    os.killpg(procs[2].pid, signal.SIGKILL)
-    procs[2].wait(timeout=10)
-    seen[0] += _read_until(procs[0], "toy worker:0 restart 1 workers 2", 60)
+    os.killpg(procs[2].proc.pid, signal.SIGKILL)
+    procs[2].proc.wait(timeout=10)
+    # Node 2 noticed lost, node 0 and 1's tasks stopped, the round closed as soon as both
+    # joined (node 2 does not answer), attempt 1 started.
+    seen[0] += procs[0].until("toy worker:0 restart 1 workers 2", 60)
     took = time.monotonic() - killed_at
-    assert took < 30, (took, seen[0])  # 3 missed answers 2 s apart, the rendezvous
+    assert took < DETECT + TOY_GRACE + TOY_START, (took, seen[0])
     again = _toy_launchers(tmp_path, nodes, [2], extra, 60)[2]
-    outs = {1: seen[1] + procs[1].communicate(timeout=120)[0], 2: again.communicate(timeout=120)[0]}
-    outs[0] = seen[0] + procs[0].communicate(timeout=30)[0]
+    outs = {1: seen[1] + procs[1].rest(120), 2: again.rest(120)}
+    outs[0] = seen[0] + procs[0].rest(30)
     for rank in (0, 1):
-        assert procs[rank].returncode == 0, outs[rank]
+        assert procs[rank].proc.returncode == 0, outs[rank]
         assert _toy_attempts(outs[rank]) == [(0, 3), (1, 2), (2, 3)], outs[rank]
         assert "stopped answering its rendezvous" in outs[rank], outs[rank]
         assert "restarts used 1 of 1" in outs[rank] and "node 2 (127.0.0.1) joined" in outs[rank]
-    assert again.returncode == 0 and _toy_attempts(outs[2]) == [(2, 3)], outs[2]
+    assert again.proc.returncode == 0 and _toy_attempts(outs[2]) == [(2, 3)], outs[2]
     # Started once more after the end, node 1's launcher does not train alone.
     late = _toy_launchers(tmp_path, nodes, [1], extra, 60)[1]
-    out = late.communicate(timeout=60)[0]
-    assert late.returncode == 0 and not _toy_attempts(out), out
+    out = late.rest(60)
+    assert late.proc.returncode == 0 and not _toy_attempts(out), out
     assert "the job has ended: the chief's node, node 0 (127.0.0.1), finished the training" in out
 
 
@@ -301,17 +346,19 @@ def test_the_launchers_go_on_without_a_lost_node_and_take_it_back(tmp_path):
 def test_too_few_nodes_left_stops_the_job_naming_min_nodes(tmp_path):
     """Two launchers with --min-nodes 2: when node 1 is lost, node 0 does not go on alone."""
     nodes = _toy_nodes(2)
-    extra = ["--restarts", "3", "--min-nodes", "2", "--rejoin-window", "10"]
+    window = 10
+    extra = ["--restarts", "3", "--min-nodes", "2", "--rejoin-window", str(window)]
     procs = _toy_launchers(tmp_path, nodes, range(2), extra, 60)
-    out = _read_until(procs[0], "toy worker:0 restart 0 workers 2", 120)
+    out = procs[0].until("toy worker:0 restart 0 workers 2", 120)
     killed_at = time.monotonic()
-    os.killpg(procs[1].pid, signal.SIGKILL)
-    out += procs[0].communicate(timeout=90)[0]
+    os.killpg(procs[1].proc.pid, signal.SIGKILL)
+    out += procs[0].rest(90)
     took = time.monotonic() - killed_at
-    assert procs[0].returncode == 1, out
+    assert procs[0].proc.returncode == 1, out
     said = "not restarting: only 1 node(s) joined within 10 s (node 0 (127.0.0.1)), fewer than --min-nodes 2"
     assert said in out, out
-    assert took < 40, (took, out)
+    # Noticed, its task stopped, the round closed (at the latest at the window), the end.
+    assert took < DETECT + TOY_GRACE + window, (took, out)
 
 
 @pytest.mark.timeout(120)
@@ -319,14 +366,14 @@ def test_sigterm_to_every_launcher_stops_the_job_without_a_restart(tmp_path):
     """`scancel` signals every launcher: each stops its tasks and exits 143; none restarts."""
     nodes = _toy_nodes(3)
     procs = _toy_launchers(tmp_path, nodes, range(3), ["--restarts", "2"], 60)
-    seen = {r: _read_until(procs[r], f"toy worker:{r} restart 0 workers 3", 120) for r in procs}
+    seen = {r: procs[r].until(f"toy worker:{r} restart 0 workers 3", 120) for r in procs}
     stopped_at = time.monotonic()
-    for proc in procs.values():
-        proc.send_signal(signal.SIGTERM)
-    outs = {rank: seen[rank] + proc.communicate(timeout=60)[0] for rank, proc in procs.items()}
+    for launcher in procs.values():
+        launcher.proc.send_signal(signal.SIGTERM)
+    outs = {rank: seen[rank] + launcher.rest(60) for rank, launcher in procs.items()}
     took = time.monotonic() - stopped_at
-    for rank, proc in procs.items():
-        assert proc.returncode == 143, outs[rank]
+    for rank, launcher in procs.items():
+        assert launcher.proc.returncode == 143, outs[rank]
         assert "SIGTERM received; stopped all tasks" in outs[rank], outs[rank]
         assert _toy_attempts(outs[rank]) == [(0, 3)], outs[rank]  # no attempt 1
-    assert took < 30, took
+    assert took < TOY_GRACE + TOY_START, took  # the tasks' stop, the launchers' exit
