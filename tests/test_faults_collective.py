@@ -244,15 +244,34 @@ def test_hybrid_workers_name_a_ps_that_died():
     assert any(named in out for out in outs), [out[-3000:] for out in outs]
 
 
+def _mailed(config, step: int, worker: int, seconds: float) -> None:
+    """Waits until ps 0 holds `worker`'s mail of `step` (group 0). Asked as a wait of 0 ms for
+    a step that cannot be complete (the chief is gone), which only reads the mails."""
+    from tfstrat.ps import steps, tables
+
+    client = steps.Client(tables.rpc_address(config.addresses("ps")[0]), 10, "", 0, worker)
+    deadline = time.monotonic() + seconds
+    try:
+        while True:
+            ready, _, _, _, *mailed = client.call("wait_mailed", step, 0)
+            assert not ready, "a step without the chief's mail cannot be complete"
+            if mailed[worker] == step:
+                return
+            assert time.monotonic() < deadline, f"worker {worker} did not mail step {step}"
+            time.sleep(0.1)
+    finally:
+        client.connection.close()
+
+
 def _run_against(config, kind, mode):
-    """Both workers of one run; under `ps fail`, worker 1 is killed 3 s after the chief exits
-    (it has mailed step 3 by then and waits for the chief)."""
+    """Both workers of one run; under `ps fail`, worker 1 is killed once ps 0 holds its mail of
+    step 3 (it then waits for the chief, who exited before step 3)."""
     args = ("relaunch_run.py", kind, mode)
     workers = [start_task(config, "worker", i, *args) for i in range(2)]
     try:
         if kind == "ps" and mode == "fail":
             first = workers[0].communicate(timeout=150)[0], workers[0].returncode
-            time.sleep(3)
+            _mailed(config, 3, 1, 30)
             workers[1].kill()
             return [first, (workers[1].communicate(timeout=30)[0], workers[1].returncode)]
         return [(w.communicate(timeout=150)[0], w.returncode) for w in workers]
