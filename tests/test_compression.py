@@ -228,3 +228,67 @@ def test_powersgd_compresses_only_matrices_that_shrink():
     assert psgd.compresses((3072, 2048)) and psgd.compresses((3, 3, 64, 64))
     assert not psgd.compresses((2048,))  # a vector
     assert not psgd.compresses((2048, 4))  # 2 x 4 (2048 + 4) > 2048 x 4
+
+
+def _paired_rings(n):
+    """n connected rings of tfstrat's TCP ring in this process (one per worker thread)."""
+    import threading
+
+    from tfstrat.cluster import ports
+    from tfstrat.reduce import ring
+
+    listeners = [ring.listen("127.0.0.1") for _ in range(n)]
+    addresses = [ports.join("127.0.0.1", s.getsockname()[1]) for s in listeners]
+    rings = [None] * n
+
+    def connect(i):
+        rings[i] = ring.Ring(i, addresses, listeners[i], 30.0)
+
+    threads = [threading.Thread(target=connect, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert all(rings), "the rings did not connect"
+    return rings
+
+
+def _on_workers(rings, fn):
+    """fn(worker) on one thread per worker at once (each exchange needs every worker)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(rings)) as pool:
+        return [f.result(timeout=60) for f in [pool.submit(fn, i) for i in range(len(rings))]]
+
+
+@pytest.mark.timeout(120)
+def test_powersgd_starts_afresh_after_a_non_finite_sum():
+    """Worker 1's gradient of step 2 holds an inf: that step's sum is not finite on every
+    worker alike (the optimizer's loss scaling skips it), and PowerSGD's state (Q and the error
+    feedback) starts afresh: step 3 on is the algorithm begun at step 3, finite, the same bits
+    on every worker. Keeping the state would make every later step NaN."""
+    import tfstrat
+    from tfstrat.reduce.compression import PowerSGDState
+
+    n, m, workers, steps = 12, 10, 2, 6
+    rng = np.random.default_rng(7)
+    grads = rng.standard_normal((steps, workers, n * m)).astype(np.float32)
+    grads[2, 1, 5] = np.inf
+    rings = _paired_rings(workers)
+    states = [PowerSGDState(tfstrat.PowerSGD(rank=RANK), [(n, m)]) for _ in range(workers)]
+    try:
+        results = []
+        for s in range(steps):
+            step = grads[s]
+            exchange = lambda i: states[i].exchange(rings[i], step[i].copy(), None, [])[0]  # noqa: B023,E731
+            results.append([r.copy() for r in _on_workers(rings, exchange)])
+    finally:
+        for r in rings:
+            r.close()
+    for s, got in enumerate(results):
+        assert np.array_equal(got[0], got[1], equal_nan=True), s  # every worker alike
+        assert np.isfinite(got[0]).all() == (s != 2), s
+    before = _powersgd(grads[:2].astype(np.float64), n, m)
+    after = _powersgd(grads[3:].astype(np.float64), n, m)  # begun afresh at step 3
+    for s, expected in [*enumerate(before), *enumerate(after, start=3)]:
+        assert np.abs(results[s][0] - expected).max() <= 1e-5 * np.abs(expected).max(), s

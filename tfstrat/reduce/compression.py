@@ -163,6 +163,11 @@ class PowerSGDState:
         self._scratch = np.empty(total, np.float32)
 
     def exchange(self, ring, lossy, exact, gathers):
+        # A step's inf or NaN is handled below (its matrices start afresh): no warnings.
+        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+            return self._exchange(ring, lossy, exact, gathers)
+
+    def _exchange(self, ring, lossy, exact, gathers):
         n = ring.size
         error = self.error
         error += lossy  # M_i = G_i + e_i, in place
