@@ -96,3 +96,29 @@ def test_localsgd_decides_with_everyone_at_sync_every_1_and_alone_between_syncs(
     assert all(f["finite"] for f in fits)
     arrays = [np.load(tmp_path / f"localsgd4_worker_{i}.npz") for i in (0, 1)]
     assert _same_bits(*({k: a[k] for k in a.files} for a in arrays))
+
+
+@pytest.mark.cluster
+def test_fp16_compressions_overflow_is_skipped_by_every_worker(reference, tmp_path):
+    """CollectiveAllReduce(compression="fp16") under float32 with a LossScaleOptimizer: row 47
+    (5e4 here, its label one the model gets wrong) gives its worker a gradient that float32
+    holds but the 16-bit wire would turn into inf (over 65,504) after Keras's finite check.
+    The verdict counts it: `fit` skips those steps on every worker and halves the loss scale,
+    as one device skips them under mixed_float16, and the weights stay finite, the same bits
+    on both workers (was: inf in every weight). The custom loop's gradient (divided by the
+    global batch, no rows weighting) stays in range: nothing skipped, finite."""
+    code, log = launch_script("mixed_precision.py", str(tmp_path), "collective-fp16", "float32")
+    assert code == 0, log[-6000:]
+    assert "tfstrat: compression=fp16" in log
+    assert "go uncompressed" not in log, log[-6000:]  # the densified table gradient rides too
+    skips_of = json.loads((reference / "reference.json").read_text())["mixed_float16/fit"]
+    runs = []
+    for i in (0, 1):
+        report = json.loads((tmp_path / f"collective-fp16_worker_{i}.json").read_text())
+        fit, loop = report["float32/fit"], report["float32/loop"]
+        assert fit["finite"] and loop["finite"], (i, report)
+        assert (fit["scales"], fit["iterations"]) == (skips_of["scales"], 6), (i, fit, skips_of)
+        assert (loop["scales"], loop["iterations"]) == ([32768.0] * 8, 8), (i, loop)
+        arrays = np.load(tmp_path / f"collective-fp16_worker_{i}.npz")
+        runs.append({k: arrays[k] for k in arrays.files})
+    assert _same_bits(*runs)

@@ -6,6 +6,10 @@ Usage:
                               modelparallel: a (2, 2) mesh of 4, the table split)
     python mixed_precision.py OUT collective|hybrid|ps|localsgd [--sync-every N] POLICY...
                                                                  a worker (tfstrat launch)
+    python mixed_precision.py OUT collective-fp16 float32
+                              a worker of CollectiveAllReduce(compression="fp16"); row 47
+                              holds 5e4, whose scaled gradient is finite in float32 and
+                              overflows only the 16-bit wire
 
 POLICY: `mixed_float16` (Keras wraps the optimizer in a LossScaleOptimizer), `float32` (with
 a LossScaleOptimizer given explicitly: the same skips, in float32 arithmetic, so a strategy
@@ -30,7 +34,10 @@ parser = argparse.ArgumentParser()
 parser.add_argument("out")
 parser.add_argument(
     "kind",
-    choices=["reference", "mirrored", "modelparallel", "collective", "hybrid", "ps", "localsgd"],
+    choices=[
+        *("reference", "mirrored", "modelparallel", "collective", "collective-fp16"),
+        *("hybrid", "ps", "localsgd"),
+    ],
 )
 parser.add_argument("--sync-every", type=int, default=1, help="localsgd: steps between syncs")
 parser.add_argument("policies", nargs="+")
@@ -57,6 +64,7 @@ strategy = {
     "mirrored": lambda: tfstrat.MirroredNCCL(timeout=60),
     "modelparallel": model_parallel,
     "collective": lambda: tfstrat.CollectiveAllReduce(timeout=60),
+    "collective-fp16": lambda: tfstrat.CollectiveAllReduce(timeout=60, compression="fp16"),
     "hybrid": lambda: tfstrat.Hybrid(timeout=60),
     "ps": lambda: tfstrat.ParameterServer(mode="sync", timeout=60),
     "localsgd": lambda: tfstrat.LocalSGD(sync_every=args.sync_every, timeout=60),
@@ -71,6 +79,11 @@ rng = np.random.default_rng(0)
 features = rng.normal(size=(ROWS, FEATURES)).astype("float32")
 y = (features[:, 0] > 0).astype("int32")
 ids = (np.arange(ROWS) % 10).astype("int32")[:, None]
+if args.kind == "collective-fp16":
+    # Finite in float32 arithmetic; with its label the model gets wrong (a saturated softmax
+    # that is right has no gradient), the scaled gradient of row 47 overflows the 16-bit wire.
+    OVERFLOW["float32"] = 5e4
+    y[47] = 1 - y[47]
 strategy_ = strategy or tf.distribute.get_strategy()
 
 

@@ -21,6 +21,11 @@ Under loss scaling its layer holds the push (`tfstrat.ps.remote.RemoteTable.look
 and hands it here: once the verdict is known it sends the rows' gradient divided by the loss
 scale, or an empty push that tells the ps the step was skipped; a non-finite rows' gradient
 makes its stand-in weight's gradient NaN, so the verdict covers the rows too.
+
+With `compression="fp16"` the gradients cross the wire as float16 after the verdict; a value
+beyond float16's range would arrive as inf in every weight. The verdict counts such values as
+non-finite too (the step is skipped and the scale halved, as PyTorch's GradScaler does after an
+fp16-compressed all-reduce).
 """
 
 from __future__ import annotations
@@ -29,11 +34,17 @@ import tensorflow as tf
 
 from tfstrat._compat import patches
 from tfstrat.runtime.step import _step
+from tfstrat.strategies import _exact_step
 
 
 def _nonfinite(optimizer, grads):
-    """1.0 if any of this replica's gradients is inf or NaN, else 0.0."""
-    return tf.cast(tf.logical_not(optimizer.check_finite(grads)), tf.float32)
+    """1.0 if any of this replica's gradients is inf or NaN, or would be once sent as float16
+    (`compression="fp16"`), else 0.0."""
+    finite = optimizer.check_finite(grads)
+    overflow = _exact_step.overflows_the_wire(grads, optimizer.dynamic_scale)
+    if overflow is not None:
+        finite = tf.logical_and(finite, tf.logical_not(overflow))
+    return tf.cast(tf.logical_not(finite), tf.float32)
 
 
 def _replica():

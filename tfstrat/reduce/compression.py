@@ -10,8 +10,9 @@ task) stay exact, and every worker gets the same bits, so the weights stay ident
   result is the float32 all-reduce of the rounded gradients. Bytes per worker: (n - 1) / 2 of
   the float32 vector, against the float32 ring's 2 (n - 1) / n: half at 2 workers, three
   quarters at 3, the same at 4 (use PowerSGD there). "fp16" keeps more mantissa (10 bits) but
-  turns values beyond +-65,504 into inf and flushes below about 6e-8 to zero; "bf16" keeps
-  float32's range with 7 bits of mantissa.
+  turns values beyond +-65,504 into inf and flushes below about 6e-8 to zero (a
+  LossScaleOptimizer skips a step that would overflow the wire on every worker:
+  `tfstrat.keras._loss_scale`); "bf16" keeps float32's range with 7 bits of mantissa.
 - **"powersgd"** (`PowerSGD(rank=4)`; Vogels et al., 2019): each gradient matrix M (a kernel
   seen as `(prod(shape[:-1]), shape[-1])`) travels as two thin factors. With error feedback e
   (this worker's share of what earlier steps' approximations left out, kept on the worker):

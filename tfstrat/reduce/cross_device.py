@@ -85,7 +85,7 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
                 densify = densify or (rows[i] is None and in_control_flow())
                 with tf.device(self._devices[replica_id]):
                     v = sparse.dedup(v)
-                    flat[i] = tf.convert_to_tensor(v) if densify else v
+                    flat[i] = sparse.densify(v) if densify else v
                 if densify:
                     del rows[i]
         dense_at = [i for i in range(len(flat)) if i not in rows]

@@ -42,6 +42,16 @@ def dedup(slices: tf.IndexedSlices) -> tf.IndexedSlices:
     return tf.IndexedSlices(values, unique, slices.dense_shape)
 
 
+def densify(slices: tf.IndexedSlices) -> tf.Tensor:
+    """`slices` as a dense tensor, of a static shape when its dense shape is known (TensorFlow's
+    conversion leaves the rows dimension unknown, which keeps a step off the TCP ring)."""
+    dense = tf.convert_to_tensor(slices)
+    shape = tf.get_static_value(slices.dense_shape)
+    if shape is not None:
+        dense.set_shape(shape)
+    return dense
+
+
 def pack_rows(slices: tf.IndexedSlices, rows: int | None) -> tf.Tensor:
     """One float32 tensor `[rows, 1 + width]`: the index (bit-cast to float32) then the row.
 
