@@ -14,6 +14,13 @@ sys.path[:0] = [os.path.join(_HERE, "helpers"), os.path.join(_HERE, "keras_patte
 from gpus import requires_gpus  # noqa: E402, F401  (re-exported: `from gpus import requires_gpus`)
 from paths import HELPERS  # noqa: E402
 
+# matplotlib, for the plots the benchmarks' smoke tests write from this process: scripts/test
+# installs it into a directory of its own (TFSTRAT_TEST_PLOTS), not into the venv, where Keras
+# would import it into every TensorFlow process the suite starts (half a second each). Last on
+# the path: the venv's own packages come first.
+if os.environ.get("TFSTRAT_TEST_PLOTS"):
+    sys.path.append(os.environ["TFSTRAT_TEST_PLOTS"])
+
 # Worker programs run as their own processes (through tfstrat's launcher, in network namespaces,
 # by hand): PYTHONPATH carries the helpers to them.
 os.environ["PYTHONPATH"] = os.pathsep.join(

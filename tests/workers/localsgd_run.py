@@ -74,10 +74,9 @@ def build_mlp(inputs=64, hidden=64, classes=10, seed=3):
 
 
 def digits():
-    from sklearn.datasets import load_digits
+    from common import digits as load
 
-    x, y = load_digits(return_X_y=True)
-    x = (x / 16.0).astype("float32")
+    x, y = load()
     order = np.random.default_rng(0).permutation(len(x))
     x, y = x[order], y[order].astype("int64")
     return (x[:1504], y[:1504]), (x[1504:], y[1504:])

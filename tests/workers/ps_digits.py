@@ -15,11 +15,9 @@ strategy = tfstrat.ParameterServer(mode=mode, timeout=60)
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
+from common import digits  # noqa: E402
 
-digits = load_digits()
-x = (digits.data / 16.0).astype("float32")
-y = digits.target.astype("int64")
+x, y = digits()
 order = np.random.default_rng(0).permutation(len(x))
 x, y = x[order], y[order]
 x_train, y_train, x_test, y_test = x[:1400], y[:1400], x[1400:], y[1400:]

@@ -186,15 +186,23 @@ def run_row(
 
 
 def write(out_dir: str, name: str, rows: Sequence[dict], table: str, plot) -> list[str]:
-    """Writes NAME.md (the table), NAME.json (the rows) and NAME.png (`plot(ax, rows)`)."""
+    """Writes NAME.md (the table), NAME.json (the rows) and NAME.png (`plot(ax, rows)`; only
+    with matplotlib, from the `bench` extra: without it, says so). Returns the paths written."""
     os.makedirs(out_dir, exist_ok=True)
     paths = [os.path.join(out_dir, f"{name}.{ext}") for ext in ("md", "json", "png")]
     with open(paths[0], "w") as f:
         f.write(table + "\n")
     with open(paths[1], "w") as f:
         json.dump(list(rows), f, indent=1)
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:
+        print(
+            f"tfstrat bench: no plot ({name}.png): matplotlib is not installed; "
+            "pip install 'tfstrat[bench]' for it",
+            file=sys.stderr,
+        )
+        return paths[:2]
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
