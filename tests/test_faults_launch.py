@@ -279,7 +279,7 @@ def test_grandchildren_die_with_a_killed_launcher():
 
 # Item 12: blame the right task (TensorFlow clusters).
 
-TIMEOUT = 30  # the collective timeout of the worker scripts, and so their start-up deadline
+TIMEOUT = 15  # the collective timeout of the worker scripts, and so their start-up deadline
 GRACE = 2.0
 BLAMED = "worker:1 is the probable cause: worker:0 failed first (exit code 1)"
 
