@@ -20,6 +20,7 @@ import pytest
 from cluster import RUN_TIMEOUT, launch_script
 
 LR, BATCH, STEPS, RANK = 0.1, 16, 8, 2
+WARMUP = {"powersgd": 0, "powersgd-warmup": 3}  # PowerSGD(warmup_steps=) of each method
 
 
 def _initial_q(index, columns, rank):  # the documented start: the same on every worker
@@ -76,6 +77,7 @@ def _forward(x, ids, kernel, bias, table):
         ("bf16", 3, "collective"),
         ("powersgd", 3, "collective"),
         ("powersgd", 2, "hybrid"),
+        ("powersgd-warmup", 2, "collective"),
     ],
 )
 def test_compressed_training_is_the_algorithm_written_out(tmp_path, method, workers, kind):
@@ -84,7 +86,9 @@ def test_compressed_training_is_the_algorithm_written_out(tmp_path, method, work
         ps=1 if kind == "hybrid" else 0,
     )  # fmt: skip
     assert code == 0, log[-6000:]
-    assert f"tfstrat: compression={method}" in log
+    assert f"tfstrat: compression={method.split('-')[0]}" in log
+    if method in WARMUP:
+        assert f"warmup_steps={WARMUP[method]})" in log, log[-3000:]
     runs = [np.load(tmp_path / f"worker_{i}.npz") for i in range(workers)]
     reports = [json.loads((tmp_path / f"worker_{i}.json").read_text()) for i in range(workers)]
     first = runs[0]
@@ -120,14 +124,18 @@ def test_compressed_training_is_the_algorithm_written_out(tmp_path, method, work
             if kind == "hybrid":
                 assert run["raw"][s][-1] == 0.0  # the table's anchor: its gradient is 0
 
-    # 3. The exchange is the algorithm written out, on those gradients.
+    # 3. The exchange is the algorithm written out, on those gradients: after the warm-up's
+    #    exact steps (the float32 sum, as compression=None sums 2 workers: the same bits).
     raws = [[r["raw"][s] for r in runs] for s in range(STEPS)]
-    if method == "powersgd":
+    warm = WARMUP.get(method, 0)
+    for s in range(warm):
+        assert np.array_equal(first["reduced"][s], raws[s][0] + raws[s][1]), s
+    if method in WARMUP:
         matrices = [[g[:size] for g in step] for step in raws]
-        factored = _powersgd(matrices, *kernel_shape)
+        factored = [None] * warm + _powersgd(matrices[warm:], *kernel_shape)
         bias = [np.sum([g[size:] for g in step], axis=0, dtype=np.float64) for step in raws]
-        expected = [np.concatenate([f, b]) for f, b in zip(factored, bias)]
-        for s in range(STEPS):
+        expected = [None if f is None else np.concatenate([f, b]) for f, b in zip(factored, bias)]
+        for s in range(warm, STEPS):
             got = first["reduced"][s]
             scale = np.abs(expected[s]).max()
             assert np.abs(got - expected[s]).max() <= 1e-5 * scale, s
@@ -136,19 +144,33 @@ def test_compressed_training_is_the_algorithm_written_out(tmp_path, method, work
         # Controls: without error feedback, or with a fresh Q each step, the reference would
         # differ from what the workers did by far more than the tolerance.
         for control in (dict(feedback=False), dict(warm=False)):
-            other = _powersgd(matrices, *kernel_shape, **control)
+            other = [None] * warm + _powersgd(matrices[warm:], *kernel_shape, **control)
             worst = max(
                 np.abs(first["reduced"][s][:size] - other[s]).max() / np.abs(other[s]).max()
-                for s in range(1, STEPS)
+                for s in range(warm + 1, STEPS)
             )
             assert worst > 1e-3, (control, worst)
+        if kind == "collective":
+            # A second model of the same shapes in the same strategy starts afresh: its own
+            # warm-up, else the algorithm's first step (no error feedback of the first model's,
+            # the initial Q).
+            second = [[r["second_raw"][s] for r in runs] for s in range(2)]
+            for s in range(2):
+                got = first["second_reduced"][s]
+                assert all(np.array_equal(got, r["second_reduced"][s]) for r in runs[1:])
+                if s < warm:
+                    assert np.array_equal(got, sum(second[s])), s
+            if not warm:
+                fresh = _powersgd([[g[:size] for g in second[0]]], *kernel_shape)[0]
+                got = first["second_reduced"][0][:size]
+                assert np.abs(got - fresh).max() <= 1e-5 * np.abs(fresh).max()
     else:
         wire = np.float16 if method == "fp16" else ml_dtypes.bfloat16
         for s in range(STEPS):
             assert np.array_equal(first["reduced"][s], _rounded_sum(raws[s], wire)), s
     exact = [np.sum(step, axis=0, dtype=np.float64) for step in raws]
     off = max(np.abs(first["reduced"][s] - exact[s]).max() / np.abs(exact[s]).max()
-              for s in range(STEPS))  # fmt: skip
+              for s in range(warm, STEPS))  # fmt: skip
     assert off > 1e-4, off  # it did compress
 
     # 4. The optimizer applied that result to the kernel and the bias, and the table's rows
@@ -181,6 +203,8 @@ def test_compressed_training_is_the_algorithm_written_out(tmp_path, method, work
     # 5. Measured on the ring: what the method sends for the dense gradients, derived (at
     #    least that), plus at most what goes exactly in any case (the sparse table's rows, the
     #    step's extras, frame headers).
+    if warm:
+        return  # bytes averaged over exact and compressed steps: the cases above check both
     floats = first["raw"].shape[1]
     if method == "powersgd":  # P (n x r) and Q (m x r) all-reduced, the vectors exactly
         n, m = kernel_shape
@@ -199,6 +223,7 @@ def test_compressed_training_is_the_algorithm_written_out(tmp_path, method, work
         ("fp8", "Received: compression='fp8'. Use None, 'fp16', 'bf16', 'powersgd'"),
         ("PowerSGD(rank=0)", "Received: PowerSGD(rank=0). Use an integer >= 1."),
         ("PowerSGD(min_ratio=0.5)", "Received: PowerSGD(min_ratio=0.5). Use a number >= 1."),
+        ("PowerSGD(warmup_steps=-1)", "Received: PowerSGD(warmup_steps=-1). Use an integer >= 0"),
     ],
 )
 def test_bad_compression_names_the_value_and_the_fix(value, words):
@@ -275,7 +300,8 @@ def test_powersgd_starts_afresh_after_a_non_finite_sum():
     grads = rng.standard_normal((steps, workers, n * m)).astype(np.float32)
     grads[2, 1, 5] = np.inf
     rings = _paired_rings(workers)
-    states = [PowerSGDState(tfstrat.PowerSGD(rank=RANK), [(n, m)]) for _ in range(workers)]
+    config = tfstrat.PowerSGD(rank=RANK, warmup_steps=0)
+    states = [PowerSGDState(config, [(n, m)]) for _ in range(workers)]
     try:
         results = []
         for s in range(steps):
@@ -292,3 +318,38 @@ def test_powersgd_starts_afresh_after_a_non_finite_sum():
     after = _powersgd(grads[3:].astype(np.float64), n, m)  # begun afresh at step 3
     for s, expected in [*enumerate(before), *enumerate(after, start=3)]:
         assert np.abs(results[s][0] - expected).max() <= 1e-5 * np.abs(expected).max(), s
+
+
+@pytest.mark.timeout(120)
+def test_powersgd_warm_up_steps_are_exact_then_the_algorithm_begins():
+    """warmup_steps=2: the first two exchanges are the float32 sum of the gradients and of
+    the exact vector (the bits compression=None gives two workers); the third is PowerSGD's
+    first step, from the initial Q and no error feedback."""
+    import tfstrat
+    from tfstrat.reduce.compression import PowerSGDState
+
+    n, m, workers, steps = 12, 10, 2, 4
+    rng = np.random.default_rng(3)
+    grads = rng.standard_normal((steps, workers, n * m)).astype(np.float32)
+    extras = rng.standard_normal((steps, workers, 5)).astype(np.float32)
+    rings = _paired_rings(workers)
+    config = tfstrat.PowerSGD(rank=RANK, warmup_steps=2)
+    states = [PowerSGDState(config, [(n, m)]) for _ in range(workers)]
+    try:
+        results = []
+        for s in range(steps):
+            step, extra = grads[s], extras[s]
+            exchange = lambda i: states[i].exchange(rings[i], step[i].copy(), extra[i], [])  # noqa: B023,E731
+            results.append([(a.copy(), b.copy()) for a, b, _ in _on_workers(rings, exchange)])
+    finally:
+        for r in rings:
+            r.close()
+    for s in range(steps):
+        (got, exact), (other, other_exact) = results[s]
+        assert np.array_equal(got, other) and np.array_equal(exact, other_exact), s
+        assert np.array_equal(exact, extras[s][0] + extras[s][1]), s  # exact throughout
+        if s < 2:
+            assert np.array_equal(got, grads[s][0] + grads[s][1]), s
+    expected = _powersgd(grads[2:].astype(np.float64), n, m)
+    for s, want in enumerate(expected, start=2):
+        assert np.abs(results[s][0][0] - want).max() <= 1e-5 * np.abs(want).max(), s

@@ -20,11 +20,11 @@ def data(n: int, seed: int = 0):
 
 
 def digits():
-    """scikit-learn's copy of the UCI handwritten digits (1,797 8x8 images of 0-16, CC BY 4.0;
-    Alpaydin and Kaynak, 1998), shipped in tests/data/digits.npz: (x / 16 as float32, y)."""
+    """The UCI handwritten digits (1,797 8x8 images of 0-16, CC BY 4.0; Alpaydin and Kaynak,
+    1998) that examples/data ships, as rows of 64: (x / 16 as float32, y)."""
     import os
 
-    path = os.path.join(os.path.dirname(__file__), "..", "data", "digits.npz")
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "data", "digits.npz")
     with np.load(path) as f:
         return (f["x"] / 16.0).astype("float32"), f["y"].astype("int64")
 

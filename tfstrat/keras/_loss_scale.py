@@ -33,15 +33,15 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfstrat._compat import patches
+from tfstrat.reduce import compression
 from tfstrat.runtime.step import _step
-from tfstrat.strategies import _exact_step
 
 
 def _nonfinite(optimizer, grads):
     """1.0 if any of this replica's gradients is inf or NaN, or would be once sent as float16
     (`compression="fp16"`), else 0.0."""
     finite = optimizer.check_finite(grads)
-    overflow = _exact_step.overflows_the_wire(grads, optimizer.dynamic_scale)
+    overflow = compression.overflows_the_wire(grads, optimizer.dynamic_scale)
     if overflow is not None:
         finite = tf.logical_and(finite, tf.logical_not(overflow))
     return tf.cast(tf.logical_not(finite), tf.float32)

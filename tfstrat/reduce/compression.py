@@ -27,12 +27,18 @@ task) stay exact, and every worker gets the same bits, so the weights stay ident
   start). Matrices too small to gain (n m < `min_ratio` r (n + m)) and vectors go exactly,
   with the first exchange. Bytes per matrix: r (n + m) floats against n m.
 
-The error feedback and Q live in the worker's memory, not in checkpoints: a run resumed from a
-backup starts them afresh (the first steps after it differ from an uninterrupted run's).
+  A model's first `warmup_steps` steps (100 by default) go exact, as one all-reduce of the
+  gradients then the exact vector: the same bits as `compression=None`.
+
+The state (error feedback, Q, the steps counted) is kept per set of variables (a new model, even
+of the same shapes, starts afresh) in the worker's memory, not in checkpoints: a run resumed
+from a backup starts it afresh, warm-up included (the first steps after it differ from an
+uninterrupted run's).
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 from dataclasses import dataclass
 
@@ -42,6 +48,7 @@ from tfstrat.errors import UsageError
 from tfstrat.reduce.ring import Results
 
 ROUNDING = {"fp16": "float16", "bf16": "bfloat16"}
+WARMUP_STEPS = 100  # PowerSGD's exact first steps, by default
 
 
 @dataclass(frozen=True)
@@ -53,14 +60,25 @@ class PowerSGD:
         rank: the factors' width r; more is closer to the exact gradient and sends more.
         min_ratio: compress a matrix only if it shrinks at least this many times
             (n m >= min_ratio r (n + m)); smaller ones, and vectors, go exactly.
+        warmup_steps: the model's first steps go exact (the same bits as `compression=None`),
+            as PyTorch's PowerSGD hook runs plain all-reduces for its first
+            `start_powerSGD_iter` steps: early gradients change fast, and an approximation
+            of them costs accuracy that later steps do not win back soon. 0: none.
     """
 
     rank: int = 4
     min_ratio: float = 2.0
+    warmup_steps: int = WARMUP_STEPS
 
     def __post_init__(self):
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
             raise UsageError(f"Received: PowerSGD(rank={self.rank!r}). Use an integer >= 1.")
+        steps = self.warmup_steps
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+            raise UsageError(
+                f"Received: PowerSGD(warmup_steps={steps!r}). Use an integer >= 0 (0: compress "
+                "from the first step)."
+            )
         if not self.min_ratio >= 1.0:
             raise UsageError(
                 f"Received: PowerSGD(min_ratio={self.min_ratio!r}). Use a number >= 1."
@@ -91,7 +109,8 @@ def parse(compression) -> str | PowerSGD | None:
 def describe(compression) -> str:
     """How start-up lines and the workers' agreement name it."""
     if isinstance(compression, PowerSGD):
-        return f"powersgd(rank={compression.rank}, min_ratio={compression.min_ratio})"
+        c = compression
+        return f"powersgd(rank={c.rank}, min_ratio={c.min_ratio}, warmup_steps={c.warmup_steps})"
     return str(compression)
 
 
@@ -106,30 +125,83 @@ def initial_q(index: int, columns: int, rank: int) -> np.ndarray:
     return np.random.default_rng(index).standard_normal((columns, rank)).astype(np.float32)
 
 
+FLOAT16_MAX = 65504.0
+
+
+def overflows_the_wire(grads, scale):
+    """Under `compression="fp16"`: whether any of this replica's dense gradients, divided by
+    `scale` (a LossScaleOptimizer's) and weighted by its rows as the step's all-reduce sends
+    them (`tfstrat.strategies._exact_step.step_reduce`), is beyond float16's range, which the
+    wire would turn into inf after the loss scale's finite check (a bool tensor). None under
+    any other compression or none.
+
+    The check is a little stricter than the wire (inf from 65,520 up): the same value computed
+    in another order cannot pass here and overflow there."""
+    import tensorflow as tf
+
+    from tfstrat.reduce import sparse
+    from tfstrat.runtime.step import _step
+
+    sparse_ = lambda g: isinstance(g, tf.IndexedSlices)  # noqa: E731 - rows stay exact
+    strategy = tf.distribute.get_strategy()
+    ops = getattr(strategy.extended, "_cross_device_ops", None)
+    if getattr(ops, "compression", None) != "fp16":
+        return None
+    dense = [g / tf.cast(scale, g.dtype) for g in grads if g is not None and not sparse_(g)]
+    if _step.scaled and _step.rows is not None:  # as the step weights them
+        dense = [sparse.scale(g, _step.rows * strategy.num_replicas_in_sync) for g in dense]
+    if not dense:
+        return None
+    largest = tf.reduce_max([tf.reduce_max(tf.abs(tf.cast(g, tf.float32))) for g in dense])
+    return largest > FLOAT16_MAX
+
+
 # -- which tensors are gradients -------------------------------------------------------------
 
-# The dense gradients of the step being reduced (`mark`), by tensor reference: only they are
-# compressed; any other all-reduce (the extras, metrics, batch statistics) stays exact.
-_marked: set = set()
+# The dense gradients of the step being reduced (`mark`), by tensor reference, each with its
+# variable's token: only they are compressed (any other all-reduce, such as the extras, metrics
+# and batch statistics, stays exact), and PowerSGD keeps its state per set of variables.
+_marked: dict = {}
 _lock = threading.Lock()
+_tokens = itertools.count()
 
 
-def mark(tensors) -> list:
-    """Marks dense gradients to compress; returns the marks, for `forget` afterwards."""
-    marks = [t.ref() for t in tensors]
+def token(variable) -> int:
+    """A number naming `variable` for as long as it lives (ids can be reused)."""
+    found = getattr(variable, "_tfstrat_compression_token", None)
+    if found is None:
+        found = next(_tokens)
+        try:
+            variable._tfstrat_compression_token = found
+        except AttributeError:  # a variable that takes no attributes: its id
+            return id(variable)
+    return found
+
+
+def mark(pairs) -> list:
+    """Marks dense gradients to compress, `(gradient, variable)` pairs; returns the marks, for
+    `forget` afterwards."""
+    found = {g.ref(): token(v) for g, v in pairs}
     with _lock:
-        _marked.update(marks)
-    return marks
+        _marked.update(found)
+    return list(found)
 
 
 def forget(marks) -> None:
     with _lock:
-        _marked.difference_update(marks)
+        for m in marks:
+            _marked.pop(m, None)
 
 
 def marked(tensor) -> bool:
     with _lock:
         return tensor.ref() in _marked
+
+
+def owner(tensor) -> int | None:
+    """The token of the variable whose gradient `tensor` is (`mark`), or None."""
+    with _lock:
+        return _marked.get(tensor.ref())
 
 
 # -- PowerSGD's two exchanges, in NumPy on each worker ------------------------------------------
@@ -146,6 +218,7 @@ class PowerSGDState:
 
     def __init__(self, config: PowerSGD, shapes: list[tuple[int, ...]]):
         self.config = config
+        self.steps = 0  # exchanges made: the first `config.warmup_steps` go exact
         self.sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
         self.factored = [config.compresses(s) for s in shapes]
         self.matrices = [matrix_shape(s) if f else None for s, f in zip(shapes, self.factored)]
@@ -164,9 +237,22 @@ class PowerSGDState:
         self._scratch = np.empty(total, np.float32)
 
     def exchange(self, ring, lossy, exact, gathers):
+        self.steps += 1
+        if self.steps <= self.config.warmup_steps:
+            return self._exact(ring, lossy, exact, gathers)
         # A step's inf or NaN is handled below (its matrices start afresh): no warnings.
         with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
             return self._exchange(ring, lossy, exact, gathers)
+
+    def _exact(self, ring, lossy, exact, gathers):
+        """A warm-up step: one exact sum of the gradients then `exact`, the vector
+        `compression=None` sums (the gradients come first in a step's all-reduce)."""
+        parts = [lossy] if exact is None else [lossy, exact.reshape(-1)]
+        summed, gathered = ring.exchange(np.concatenate(parts).astype(np.float32), gathers)
+        out = self._results.get(lossy.shape, np.float32)
+        out[:] = summed[: lossy.size]
+        exact_sum = None if exact is None else np.array(summed[lossy.size :]).reshape(exact.shape)
+        return out, exact_sum, gathered
 
     def _exchange(self, ring, lossy, exact, gathers):
         n = ring.size

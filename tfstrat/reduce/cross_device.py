@@ -22,6 +22,9 @@ from tfstrat.reduce import compression, sparse
 logger = logging.getLogger(__name__)
 
 
+_STATES_KEPT = 4  # PowerSGD states kept for earlier sets of variables (models)
+
+
 class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
     """Collective all-reduce whose sparse path is dedup -> one all-gather, or densify.
 
@@ -43,7 +46,9 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
         #: None, "fp16", "bf16" or a `compression.PowerSGD`: how the step's dense gradients
         #: travel on the ring (set by the strategy; `tfstrat.reduce.compression`).
         self.compression = None
-        self._compressed: dict[tuple, compression.PowerSGDState] = {}  # PowerSGD, by shapes
+        # PowerSGD's state (error feedback, Q, steps) per set of variables, newest last: a new
+        # model starts afresh, even with the same shapes.
+        self._compressed: dict[tuple, compression.PowerSGDState] = {}
         #: A list (tests set one before the step is traced): every compressed exchange appends
         #: {"raw": this worker's gradients before compression, "reduced": the sum after},
         #: flat float32. None: nothing is recorded.
@@ -172,7 +177,7 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
             # Slots of `inputs` (and of the outputs): [exact vector], [lossy part], blocks...
             at_lossy = 1 if exact else 0
             at_blocks = at_lossy + (1 if lossy else 0)
-            state = self._powersgd([dense[j].shape for j in lossy]) if lossy else None
+            state = self._powersgd([dense[j] for j in lossy]) if lossy else None
 
             def exchange(*arrays):
                 mine = arrays[0] if exact else None
@@ -255,15 +260,21 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
 
         return self._ring_call(record, [raw, summed], [raw.shape, summed.shape], "trace")[1]
 
-    def _powersgd(self, shapes) -> compression.PowerSGDState | None:
-        """The PowerSGD state of these gradient shapes (kept across traces), or None when the
-        compression rounds."""
+    def _powersgd(self, grads) -> compression.PowerSGDState | None:
+        """The PowerSGD state of these gradients' variables (kept across traces: a step traced
+        again goes on from it), or None when the compression rounds. The last few sets of
+        variables keep theirs."""
         if not isinstance(self.compression, compression.PowerSGD):
             return None
-        key = tuple(tuple(s) for s in shapes)
-        if key not in self._compressed:
-            self._compressed[key] = compression.PowerSGDState(self.compression, list(key))
-        return self._compressed[key]
+        shapes = tuple(tuple(g.shape) for g in grads)
+        key = (tuple(compression.owner(g) for g in grads), shapes)
+        state = self._compressed.pop(key, None)
+        if state is None:
+            state = compression.PowerSGDState(self.compression, list(shapes))
+        self._compressed[key] = state  # the newest last
+        while len(self._compressed) > _STATES_KEPT:
+            del self._compressed[next(iter(self._compressed))]
+        return state
 
     def _record_compressed(self, replica_id, exact, lossy):
         """The dense part of a ring exchange, by what it sends (`bytes_sent_per_worker`)."""
@@ -276,7 +287,7 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
             floats = sum(t.shape.num_elements() for t in lossy)
             self._record(replica_id, "all_gather", (1, floats), 2 * floats)
         else:
-            state = self._powersgd([t.shape for t in lossy])
+            state = self._powersgd(lossy)
             nbytes = 4 * (state.factor_floats + state.exact_floats)
             self._record(replica_id, "all_reduce", [("powersgd", nbytes // 4)], nbytes)
 

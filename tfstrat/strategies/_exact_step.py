@@ -209,7 +209,7 @@ def step_reduce(reduce_sum, stop, replicas: int):
         metrics = _step.metrics or []
         if not have or context is None or (stop is None and rows is None and not metrics):
             marks = _keep_lazy_sparse(pairs)
-            lossy = compression.mark(g for g, _ in pairs if _is_dense(g))
+            lossy = compression.mark((g, v) for g, v in pairs if _is_dense(g))
             try:
                 return reduce_sum(pairs)
             finally:
@@ -224,7 +224,8 @@ def step_reduce(reduce_sum, stop, replicas: int):
         marks = _keep_lazy_sparse([(g, pairs[i][1]) for i, g in zip(have, grads)])
         variables = [v for m in metrics for v in m.variables]
         parts += [tf.reshape(tf.cast(v.value, dtype), [-1]) for v in variables]
-        lossy = compression.mark(g for g in grads if _is_dense(g))  # the extras stay exact
+        # The extras stay exact.
+        lossy = compression.mark((g, pairs[i][1]) for i, g in zip(have, grads) if _is_dense(g))
         try:
             reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, grads + [tf.concat(parts, 0)])
         finally:
@@ -250,30 +251,6 @@ def step_reduce(reduce_sum, stop, replicas: int):
         return pairs
 
     return reduce
-
-
-FLOAT16_MAX = 65504.0
-
-
-def overflows_the_wire(grads, scale):
-    """Under `compression="fp16"`: whether any of this replica's dense gradients, divided by
-    `scale` (a LossScaleOptimizer's) and weighted by its rows as `step_reduce` sends them, is
-    beyond float16's range, which the wire would turn into inf after the loss scale's finite
-    check (a bool tensor). None under any other compression or none.
-
-    The check is a little stricter than the wire (inf from 65,520 up): the same value computed
-    in another order cannot pass here and overflow there."""
-    strategy = tf.distribute.get_strategy()
-    ops = getattr(strategy.extended, "_cross_device_ops", None)
-    if getattr(ops, "compression", None) != "fp16":
-        return None
-    dense = [g / tf.cast(scale, g.dtype) for g in grads if _is_dense(g)]
-    if _step.scaled and _step.rows is not None:  # as `step_reduce` weights them
-        dense = [sparse.scale(g, _step.rows * strategy.num_replicas_in_sync) for g in dense]
-    if not dense:
-        return None
-    largest = tf.reduce_max([tf.reduce_max(tf.abs(tf.cast(g, tf.float32))) for g in dense])
-    return largest > FLOAT16_MAX
 
 
 def _is_dense(g) -> bool:
