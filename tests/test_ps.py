@@ -136,13 +136,14 @@ def test_async_reaches_the_accuracy_of_sync_on_digits(tmp_path):
         assert code == 0, log[-6000:]
         reports = [json.loads((out / f"worker_{w}.json").read_text()) for w in range(2)]
         accuracy[mode] = float(np.mean([r["accuracy"] for r in reports]))
-        # 8 epochs of 35 steps: sync applies each step once; async counts every worker's
+        # 4 epochs of 35 steps: sync applies each step once; async counts every worker's
         # update exactly (one atomic increment on the ps). The worker that reads last, after
         # both fits ended, sees them all.
-        steps = 8 * 35
+        steps = 4 * 35
         assert max(r["iterations"] for r in reports) == (steps if mode == "sync" else 2 * steps)
     assert accuracy["sync"] > 0.85, accuracy
     assert accuracy["async"] > accuracy["sync"] - 0.05, accuracy
+    print(f"accuracy after 4 epochs: {accuracy}")  # pytest -rP shows it
 
 
 @pytest.mark.cluster

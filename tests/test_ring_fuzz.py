@@ -26,7 +26,7 @@ from tfstrat.cluster import secret
 from tfstrat.errors import RingError
 from tfstrat.reduce import ring, shared_memory
 
-EXAMPLES = int(os.environ.get("TFSTRAT_FUZZ_EXAMPLES", "200"))
+EXAMPLES = int(os.environ.get("TFSTRAT_FUZZ_EXAMPLES", "120"))
 FUZZ = settings(
     max_examples=EXAMPLES,
     deadline=None,

@@ -25,7 +25,7 @@ from tfstrat.cluster import secret
 from tfstrat.cluster.ports import free_port
 from tfstrat.ps import tables, wire
 
-EXAMPLES = int(os.environ.get("TFSTRAT_FUZZ_EXAMPLES", "500"))  # per test; CI runs them all
+EXAMPLES = int(os.environ.get("TFSTRAT_FUZZ_EXAMPLES", "300"))  # per test; CI runs them all
 # NaN and inf rows a fuzzed push carries make NaN rows (as Keras would): not a finding.
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 FUZZ = settings(

@@ -1,6 +1,9 @@
 """One task of the elastic tests, under `tfstrat launch --nodes ... --restarts K --backup-dir D`.
 
-Usage: python elastic_train.py OUT collective|hybrid
+Usage: python elastic_train.py OUT collective|hybrid [--reference]
+
+--reference: the same training on one device, no strategy, no backups (one process): what an
+uninterrupted run on the three nodes must end at (the strategies equal one device).
 
 CollectiveAllReduce (SGD with momentum) or Hybrid (Adagrad; the table on the ps), 3 epochs of
 8 steps at global batch 12 (divisible by 3 and 2 workers), with
@@ -10,15 +13,19 @@ step (`elastic: epoch E batch B restart R workers W at T`) and at the end writes
 the final weights, a ps-held table read whole.
 """
 
+import contextlib
 import os
 import sys
 import time
 
 out, kind = sys.argv[1], sys.argv[2]
+reference = "--reference" in sys.argv[3:]
 
 import tfstrat  # noqa: E402
 
-if kind == "collective":
+if reference:
+    strategy = None
+elif kind == "collective":
     strategy = tfstrat.CollectiveAllReduce(timeout=30)
 else:
     strategy = tfstrat.Hybrid(partitions=1, timeout=30)
@@ -31,8 +38,8 @@ from tfstrat.keras.callbacks import BackupAndRestore  # noqa: E402
 from tfstrat.keras.layers import Embedding  # noqa: E402
 
 EPOCHS, STEPS, BATCH = 3, 8, 12
-RESTART = os.environ["TFSTRAT_RESTART"]
-chief = strategy.worker_index == 0
+RESTART = os.environ.get("TFSTRAT_RESTART", "0")
+chief = reference or strategy.worker_index == 0
 
 
 def build():
@@ -51,6 +58,8 @@ class Steps(keras.callbacks.Callback):
         self.epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
+        if reference:
+            return
         time.sleep(0.25)
         if chief:
             print(
@@ -61,9 +70,9 @@ class Steps(keras.callbacks.Callback):
 
 
 x, y = data(BATCH * STEPS)
-with strategy.scope():
+with strategy.scope() if strategy else contextlib.nullcontext():
     model = compile_model(build(), optimizer("sgdm" if kind == "collective" else "adagrad"))
-callbacks = [Steps(), BackupAndRestore(save_freq=2)]
+callbacks = [Steps()] + ([] if reference else [BackupAndRestore(save_freq=2)])
 model.fit(x, y, batch_size=BATCH, epochs=EPOCHS, shuffle=False, verbose=0, callbacks=callbacks)
 if chief:
     weights = []

@@ -11,6 +11,7 @@ import sys
 import tfstrat
 
 out, mode = sys.argv[1], sys.argv[2]
+EPOCHS = 4
 strategy = tfstrat.ParameterServer(mode=mode, timeout=60)
 
 import keras  # noqa: E402
@@ -32,7 +33,7 @@ with strategy.scope():
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
     )
-model.fit(x_train, y_train, batch_size=40, epochs=8, verbose=0)
+model.fit(x_train, y_train, batch_size=40, epochs=EPOCHS, verbose=0)
 _, accuracy = model.evaluate(x_test, y_test, batch_size=100, verbose=0)
 task = os.environ["TFSTRAT_TASK"].replace(":", "_")
 with open(os.path.join(out, f"{task}.json"), "w") as f:
