@@ -19,7 +19,11 @@ def plots():
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        why = "matplotlib is not importable: run scripts/test, or pip install matplotlib"
+        why = (
+            "the bench smoke tests check the PNG each benchmark draws with matplotlib, which is "
+            "not importable here: run scripts/test (it installs matplotlib into .venv/plots), "
+            "or pip install matplotlib"
+        )
         if os.environ.get("CI") == "true":
             pytest.fail(why)
         pytest.skip(why)

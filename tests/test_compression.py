@@ -255,35 +255,40 @@ def test_powersgd_compresses_only_matrices_that_shrink():
     assert not psgd.compresses((2048, 4))  # 2 x 4 (2048 + 4) > 2048 x 4
 
 
-def _paired_rings(n):
-    """n connected rings of tfstrat's TCP ring in this process (one per worker thread)."""
-    import threading
+def _powersgd_steps(config, shape, grads, extras=None):
+    """`PowerSGDState.exchange` of every step on every worker at once, over tfstrat's TCP ring
+    between threads of this process: `grads[step, worker]` (and `extras[step, worker]`, the
+    exact vector). Returns, per step and worker, (approximate sum, exact sum or None)."""
+    from concurrent.futures import ThreadPoolExecutor
 
     from tfstrat.cluster import ports
     from tfstrat.reduce import ring
+    from tfstrat.reduce.compression import PowerSGDState
 
-    listeners = [ring.listen("127.0.0.1") for _ in range(n)]
+    workers = grads.shape[1]
+    listeners = [ring.listen("127.0.0.1") for _ in range(workers)]
     addresses = [ports.join("127.0.0.1", s.getsockname()[1]) for s in listeners]
-    rings = [None] * n
+    states = [PowerSGDState(config, [shape]) for _ in range(workers)]
 
     def connect(i):
-        rings[i] = ring.Ring(i, addresses, listeners[i], 30.0)
+        return ring.Ring(i, addresses, listeners[i], 30.0)
 
-    threads = [threading.Thread(target=connect, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert all(rings), "the rings did not connect"
-    return rings
+    with ThreadPoolExecutor(workers) as pool:  # each exchange needs every worker
+        rings = list(pool.map(connect, range(workers), timeout=60))
+        try:
+            results = []
+            for s in range(len(grads)):
 
+                def step(i, s=s):
+                    extra = None if extras is None else extras[s, i]
+                    approx, exact, _ = states[i].exchange(rings[i], grads[s, i].copy(), extra, [])
+                    return approx.copy(), None if exact is None else exact.copy()
 
-def _on_workers(rings, fn):
-    """fn(worker) on one thread per worker at once (each exchange needs every worker)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(len(rings)) as pool:
-        return [f.result(timeout=60) for f in [pool.submit(fn, i) for i in range(len(rings))]]
+                results.append(list(pool.map(step, range(workers), timeout=60)))
+        finally:
+            for r in rings:
+                r.close()
+    return results
 
 
 @pytest.mark.timeout(120)
@@ -293,24 +298,13 @@ def test_powersgd_starts_afresh_after_a_non_finite_sum():
     feedback) starts afresh: step 3 on is the algorithm begun at step 3, finite, the same bits
     on every worker. Keeping the state would make every later step NaN."""
     import tfstrat
-    from tfstrat.reduce.compression import PowerSGDState
 
     n, m, workers, steps = 12, 10, 2, 6
     rng = np.random.default_rng(7)
     grads = rng.standard_normal((steps, workers, n * m)).astype(np.float32)
     grads[2, 1, 5] = np.inf
-    rings = _paired_rings(workers)
     config = tfstrat.PowerSGD(rank=RANK, warmup_steps=0)
-    states = [PowerSGDState(config, [(n, m)]) for _ in range(workers)]
-    try:
-        results = []
-        for s in range(steps):
-            step = grads[s]
-            exchange = lambda i: states[i].exchange(rings[i], step[i].copy(), None, [])[0]  # noqa: B023,E731
-            results.append([r.copy() for r in _on_workers(rings, exchange)])
-    finally:
-        for r in rings:
-            r.close()
+    results = [[approx for approx, _ in step] for step in _powersgd_steps(config, (n, m), grads)]
     for s, got in enumerate(results):
         assert np.array_equal(got[0], got[1], equal_nan=True), s  # every worker alike
         assert np.isfinite(got[0]).all() == (s != 2), s
@@ -326,24 +320,13 @@ def test_powersgd_warm_up_steps_are_exact_then_the_algorithm_begins():
     the exact vector (the bits compression=None gives two workers); the third is PowerSGD's
     first step, from the initial Q and no error feedback."""
     import tfstrat
-    from tfstrat.reduce.compression import PowerSGDState
 
     n, m, workers, steps = 12, 10, 2, 4
     rng = np.random.default_rng(3)
     grads = rng.standard_normal((steps, workers, n * m)).astype(np.float32)
     extras = rng.standard_normal((steps, workers, 5)).astype(np.float32)
-    rings = _paired_rings(workers)
     config = tfstrat.PowerSGD(rank=RANK, warmup_steps=2)
-    states = [PowerSGDState(config, [(n, m)]) for _ in range(workers)]
-    try:
-        results = []
-        for s in range(steps):
-            step, extra = grads[s], extras[s]
-            exchange = lambda i: states[i].exchange(rings[i], step[i].copy(), extra[i], [])  # noqa: B023,E731
-            results.append([(a.copy(), b.copy()) for a, b, _ in _on_workers(rings, exchange)])
-    finally:
-        for r in rings:
-            r.close()
+    results = _powersgd_steps(config, (n, m), grads, extras)
     for s in range(steps):
         (got, exact), (other, other_exact) = results[s]
         assert np.array_equal(got, other) and np.array_equal(exact, other_exact), s

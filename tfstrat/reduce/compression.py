@@ -248,7 +248,8 @@ class PowerSGDState:
         """A warm-up step: one exact sum of the gradients then `exact`, the vector
         `compression=None` sums (the gradients come first in a step's all-reduce)."""
         parts = [lossy] if exact is None else [lossy, exact.reshape(-1)]
-        summed, gathered = ring.exchange(np.concatenate(parts).astype(np.float32), gathers)
+        vector = np.concatenate(parts).astype(np.float32, copy=False)
+        summed, gathered = ring.exchange(vector, gathers)
         out = self._results.get(lossy.shape, np.float32)
         out[:] = summed[: lossy.size]
         exact_sum = None if exact is None else np.array(summed[lossy.size :]).reshape(exact.shape)
