@@ -23,21 +23,36 @@ def _weights(npz):
     return [npz[f"w{k}"] for k in range(len(npz.files))]
 
 
+def _env() -> dict:
+    """The environment of the processes the tier starts: scripts/test installs the `ray` extra
+    into a directory of its own (TFSTRAT_TEST_RAY), after the venv's own packages on the path:
+    Ray Train requires pandas, which Keras would import into every TensorFlow process of the
+    rest of the suite."""
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "RAY_DEDUP_LOGS": "0"}
+    if os.environ.get("TFSTRAT_TEST_RAY"):
+        paths = [*filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+        env["PYTHONPATH"] = os.pathsep.join([*paths, os.environ["TFSTRAT_TEST_RAY"]])
+    return env
+
+
 @pytest.mark.timeout(420)
 def test_ray_train_runs_every_strategy_equal_to_single_device(tmp_path):
-    try:
-        import ray.train  # noqa: F401
-    except ImportError as e:  # scripts/test installs the extra: in CI a missing one fails
+    env = _env()
+    probe = subprocess.run(
+        [sys.executable, "-c", "import ray.train"], capture_output=True, text=True, env=env
+    )
+    if probe.returncode != 0:  # scripts/test installs the extra: in CI a missing one fails
+        error = probe.stderr.strip().splitlines()[-1:]
         if os.environ.get("CI", "").lower() in ("1", "true"):
-            pytest.fail(f"CI must run the ray tier, but `import ray.train` failed: {e}")
-        pytest.skip("the ray tier needs the `ray` extra (pip install tfstrat[ray])")
+            pytest.fail(f"CI must run the ray tier, but `import ray.train` failed: {error}")
+        pytest.skip("the ray tier needs the `ray` extra (pip install tfstrat[ray], or scripts/test)")
     proc = subprocess.run(
         [sys.executable, "ray_equiv.py", str(tmp_path), *STRATEGIES],
         cwd=WORKERS,
         capture_output=True,
         text=True,
         timeout=400,
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "RAY_DEDUP_LOGS": "0"},
+        env=env,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
     reference = _weights(np.load(tmp_path / "reference.npz"))

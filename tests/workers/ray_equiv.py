@@ -80,11 +80,13 @@ def main():
     scratch = tempfile.mkdtemp(prefix="tfsray")  # short: Ray's socket paths live under it
     here = os.path.dirname(os.path.abspath(__file__))
     helpers = os.path.join(os.path.dirname(here), "helpers")
+    # The workers' path replaces the inherited one: keep it (scripts/test's ray directory).
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     ray.init(
         num_cpus=4,
         include_dashboard=False,
         _temp_dir=scratch,
-        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([here, helpers])}},
+        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([here, helpers, *inherited])}},
     )
     try:
         for kind in STRATEGIES:
