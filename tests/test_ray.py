@@ -45,7 +45,9 @@ def test_ray_train_runs_every_strategy_equal_to_single_device(tmp_path):
         error = probe.stderr.strip().splitlines()[-1:]
         if os.environ.get("CI", "").lower() in ("1", "true"):
             pytest.fail(f"CI must run the ray tier, but `import ray.train` failed: {error}")
-        pytest.skip("the ray tier needs the `ray` extra (pip install tfstrat[ray], or scripts/test)")
+        pytest.skip(
+            "the ray tier needs the `ray` extra (pip install tfstrat[ray], or scripts/test)"
+        )
     proc = subprocess.run(
         [sys.executable, "ray_equiv.py", str(tmp_path), *STRATEGIES],
         cwd=WORKERS,
