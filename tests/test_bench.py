@@ -249,3 +249,81 @@ def test_scaling_rows_on_a_gpu_host_split_its_gpus_among_the_workers():
     assert "splitting this host's 8 GPUs" in rows["B-2"]["label"]
     cpu = {r["row"]: r for r in scaling._rows(config, 2)}
     assert cpu["B-2"]["devices_per_worker"] == 1 and cpu["B-2"]["label"] == "CollectiveAllReduce"
+
+
+@pytest.mark.timeout(120)
+def test_the_worker_measures_held_out_accuracy_against_training_time():
+    """`curve_every`: the held-out accuracy every N steps (each epoch in chunks of N), with the
+    training time until then; the last point is the run's final accuracy."""
+    config = {
+        "strategy": "none", "model": "wide", "image": 8, "batch_per_device": 16,
+        "accuracy": True, "steps": 4, "repeats": 1, "curve_every": 2,
+    }  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "tfstrat.bench._worker", json.dumps(config)],
+        capture_output=True, text=True, timeout=100,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    result = json.loads(line[len("RESULT ") :])
+    steps = [p[0] for p in result["curve"]]
+    seconds = [p[1] for p in result["curve"]]
+    assert steps == [2, 4, 6, 8]  # a warm-up epoch and one timed epoch of 4 steps
+    assert all(0 < a < b for a, b in zip(seconds, seconds[1:]))
+    assert all(0.0 <= p[2] <= 1.0 for p in result["curve"])
+    assert result["curve"][-1][2] == result["accuracy"]
+    assert len(result["epoch_s"]) == 1
+
+
+@pytest.mark.parametrize(
+    "config, words",
+    [
+        ({"steps": 64, "curve_every": 16}, "without accuracy"),
+        ({"steps": 64, "curve_every": 24, "accuracy": True}, "Use a divisor of steps"),
+    ],
+)
+def test_a_bad_curve_is_refused_before_tensorflow_starts(config, words):
+    from tfstrat.bench import _worker
+    from tfstrat.errors import UsageError
+
+    with pytest.raises(UsageError, match=words):
+        _worker.main({"strategy": "none", **config})
+
+
+def test_time_to_accuracy_is_read_from_each_seeds_curve():
+    """benchmarks/localsgd's column: the first point at B-2's final accuracy less 1 point, per
+    seed; B-2's time over the row's; a seed that never gets there is counted, not hidden."""
+    import importlib.util
+
+    from paths import ROOT
+
+    path = os.path.join(ROOT, "benchmarks", "localsgd", "run.py")
+    spec = importlib.util.spec_from_file_location("localsgd_run", path)
+    run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(run)
+    net = "veth 1gbit"
+
+    def row(name, *seeds):  # seeds: (final accuracy, curve)
+        return {
+            "row": name,
+            "seeds": {
+                str(i): {net: {"accuracy": acc, "curve": curve}} for i, (acc, curve) in enumerate(seeds)
+            },
+        }  # fmt: skip
+
+    base = row(
+        "B-2-wide",
+        (0.70, [[16, 10.0, 0.50], [32, 20.0, 0.69], [48, 30.0, 0.70]]),
+        (0.80, [[16, 10.0, 0.60], [32, 20.0, 0.75], [48, 30.0, 0.80]]),
+    )
+    fast = row(
+        "C-2-psgd4w-wide",
+        (0.71, [[16, 4.0, 0.40], [32, 8.0, 0.69], [48, 12.0, 0.71]]),  # 0.69 >= 0.70 - 0.01
+        (0.78, [[16, 4.0, 0.60], [32, 8.0, 0.78], [48, 12.0, 0.78]]),  # never 0.79
+    )
+    assert run._time_to_target(base, base, net) == ["25 s (20-30)", "1.00 (1.00-1.00)"]
+    assert run._time_to_target(fast, base, net) == [
+        "8 s, step 32; not reached on 1 of 2 seeds",
+        "2.50",
+    ]
+    assert run._time_to_target(row("old", (0.7, [])), base, net) == ["-", "-"]

@@ -153,17 +153,20 @@ def test_compressed_training_is_the_algorithm_written_out(tmp_path, method, work
         if kind == "collective":
             # A second model of the same shapes in the same strategy starts afresh: its own
             # warm-up, else the algorithm's first step (no error feedback of the first model's,
-            # the initial Q).
+            # the initial Q). With a warm-up its optimizer starts at step 2 (as after a
+            # restore): the warm-up counts the optimizer's steps, so step 2 is exact and step 3
+            # is the algorithm's first (a count of its own would make both exact).
             second = [[r["second_raw"][s] for r in runs] for s in range(2)]
+            exact_steps = max(0, warm - 2)
             for s in range(2):
                 got = first["second_reduced"][s]
                 assert all(np.array_equal(got, r["second_reduced"][s]) for r in runs[1:])
-                if s < warm:
+                if s < exact_steps:
                     assert np.array_equal(got, sum(second[s])), s
-            if not warm:
-                fresh = _powersgd([[g[:size] for g in second[0]]], *kernel_shape)[0]
-                got = first["second_reduced"][0][:size]
-                assert np.abs(got - fresh).max() <= 1e-5 * np.abs(fresh).max()
+            begins = exact_steps  # the algorithm's first step, on a fresh state
+            fresh = _powersgd([[g[:size] for g in second[begins]]], *kernel_shape)[0]
+            got = first["second_reduced"][begins][:size]
+            assert np.abs(got - fresh).max() <= 1e-5 * np.abs(fresh).max()
     else:
         wire = np.float16 if method == "fp16" else ml_dtypes.bfloat16
         for s in range(STEPS):
@@ -255,10 +258,11 @@ def test_powersgd_compresses_only_matrices_that_shrink():
     assert not psgd.compresses((2048, 4))  # 2 x 4 (2048 + 4) > 2048 x 4
 
 
-def _powersgd_steps(config, shape, grads, extras=None):
+def _powersgd_steps(config, shape, grads, extras=None, optimizer_steps=None):
     """`PowerSGDState.exchange` of every step on every worker at once, over tfstrat's TCP ring
     between threads of this process: `grads[step, worker]` (and `extras[step, worker]`, the
-    exact vector). Returns, per step and worker, (approximate sum, exact sum or None)."""
+    exact vector; `optimizer_steps[step]`, the optimizer's steps before it). Returns, per step
+    and worker, (approximate sum, exact sum or None)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from tfstrat.cluster import ports
@@ -281,7 +285,10 @@ def _powersgd_steps(config, shape, grads, extras=None):
 
                 def step(i, s=s):
                     extra = None if extras is None else extras[s, i]
-                    approx, exact, _ = states[i].exchange(rings[i], grads[s, i].copy(), extra, [])
+                    done = None if optimizer_steps is None else optimizer_steps[s]
+                    approx, exact, _ = states[i].exchange(
+                        rings[i], grads[s, i].copy(), extra, [], step=done
+                    )
                     return approx.copy(), None if exact is None else exact.copy()
 
                 results.append(list(pool.map(step, range(workers), timeout=60)))
@@ -336,3 +343,26 @@ def test_powersgd_warm_up_steps_are_exact_then_the_algorithm_begins():
     expected = _powersgd(grads[2:].astype(np.float64), n, m)
     for s, want in enumerate(expected, start=2):
         assert np.abs(results[s][0][0] - want).max() <= 1e-5 * np.abs(want).max(), s
+
+
+@pytest.mark.timeout(120)
+def test_powersgd_warm_up_counts_the_optimizers_steps():
+    """warmup_steps=3 on a state made when the optimizer has taken 2 steps (a model restored
+    from a backup): one exact step, then PowerSGD's first step, afresh; made at step 5, it
+    compresses from its first exchange. The warm-up is not repeated after a resume."""
+    import tfstrat
+
+    n, m, workers = 12, 10, 2
+    rng = np.random.default_rng(5)
+    grads = rng.standard_normal((3, workers, n * m)).astype(np.float32)
+    config = tfstrat.PowerSGD(rank=RANK, warmup_steps=3)
+    for begun, exact in ((2, 1), (5, 0)):
+        steps = [begun + s for s in range(3)]
+        results = _powersgd_steps(config, (n, m), grads, optimizer_steps=steps)
+        for s in range(exact):
+            assert np.array_equal(results[s][0][0], grads[s][0] + grads[s][1]), (begun, s)
+        expected = _powersgd(grads[exact:].astype(np.float64), n, m)
+        for s, want in enumerate(expected, start=exact):
+            got = results[s][0][0]
+            assert np.array_equal(got, results[s][1][0]), (begun, s)
+            assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), (begun, s)

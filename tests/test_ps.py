@@ -1,5 +1,6 @@
 """ParameterServer: real ps tasks and workers started by `tfstrat launch`, against one device."""
 
+import concurrent.futures
 import json
 import os
 import sys
@@ -34,14 +35,22 @@ def _check_equal_to_reference(out_dir, reference):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def _reference_run(tmp_path_factory):
+    """The one-device run, started in the background: it goes on while the cluster runs."""
     out = tmp_path_factory.mktemp("reference")
-    run_script("ps_equiv.py", str(out), "--reference")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        yield out, pool.submit(run_script, "ps_equiv.py", str(out), "--reference")
+
+
+@pytest.fixture(scope="module")
+def reference(_reference_run):
+    out, running = _reference_run
+    running.result()
     return np.load(out / "reference.npz")
 
 
 @pytest.fixture(scope="module")
-def one_ps(tmp_path_factory):
+def one_ps(tmp_path_factory, _reference_run):
     out = tmp_path_factory.mktemp("one_ps")
     code, log = launch_script("ps_equiv.py", str(out), workers=2, ps=1)
     assert code == 0, log[-6000:]

@@ -16,7 +16,7 @@ aggregate; its logs stay per worker, so only weights and step counts are compare
 
 import numpy as np
 import pytest
-from cluster import launch_script, run_script
+from cluster import launch_script, run_scripts
 from common import relative_errors
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -28,11 +28,15 @@ STEPS = {25: 4, 30: 4, 31: 3}  # ceil(92 / batch)
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The reference and MirroredNCCL over 2 and 4 logical CPUs (25 rows: 13/12 and 7/6/6/6;
-    the last 2 rows leave 2 of 4 replicas empty), in one process. Three replicas are the
-    3-worker CollectiveAllReduce case below."""
+    """The reference, and MirroredNCCL over 2 and 4 logical CPUs (25 rows: 13/12 and 7/6/6/6;
+    the last 2 rows leave 2 of 4 replicas empty) in one process, the two at once. Three
+    replicas are the 3-worker CollectiveAllReduce case below."""
     out = tmp_path_factory.mktemp("uneven")
-    run_script("uneven_equiv.py", str(out), "mirrored", timeout=1100)
+    run_scripts(
+        ["uneven_equiv.py", str(out), "reference"],
+        ["uneven_equiv.py", str(out), "mirrored"],
+        timeout=1100,
+    )
     return out
 
 

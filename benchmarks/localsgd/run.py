@@ -6,11 +6,13 @@ Rows (2 workers, `tfstrat bench scaling`'s small CNN on learnable labels, SGD wi
   D-2-s16   LocalSGD with DiLoCo's outer Nesterov step, every 16 steps
   *-wide    the same on a link-bound MLP; D-2-s16-lrX-wide: DiLoCo with outer lr X, not 0.7
   C-2-fp16-wide, C-2-bf16-wide, C-2-psgd4-wide: CollectiveAllReduce with compression= fp16,
-            bf16, PowerSGD rank 4
+            bf16, PowerSGD rank 4 (from the first step); C-2-psgd4w-wide: PowerSGD after its
+            default 100 exact warm-up steps
 Each row: examples/s (median of the timed epochs), bytes this worker sent per step (on its
 sockets for LocalSGD; what CollectiveAllReduce hands its ring, by ring arithmetic, for B-2),
-and accuracy on 8,192 held-out images after the same number of examples, once per seed
-(`--seeds`).
+accuracy on 8,192 held-out images after the same number of examples, once per seed
+(`--seeds`), and the training time until the held-out accuracy (measured every
+`--curve-every` steps) first reaches B-2's final accuracy of the same seed less 1 point.
 
 Networks: loopback (`tfstrat launch` on 127.0.0.1), and one task per network namespace with
 each host's egress limited by `tc qdisc ... tbf rate 1gbit` (tests/helpers/netns.py; the machinery of
@@ -67,7 +69,18 @@ ROWS = [  # (row, model, label, worker strategy, workload, ps tasks): multihost'
         WIDE,
         0,
     ),  # fmt: skip
+    (
+        "C-2-psgd4w-wide",
+        "wide MLP",
+        "CollectiveAllReduce, PowerSGD rank 4 after 100 exact steps",
+        "collective-powersgd4w100",
+        WIDE,
+        0,
+    ),  # fmt: skip
 ]
+
+#: The target of "time to accuracy": B-2's held-out accuracy at the end of its run, less this.
+TARGET_SLACK = 0.01
 
 
 def _by_seed(row: dict) -> dict:
@@ -83,6 +96,8 @@ def table(rows: list[dict], links: dict, args, machine: dict) -> str:
     headers = ["row", "strategy"]
     for n in networks:
         headers += [f"{n}: ex/s (min-max)", f"{n}: vs B-2"]
+    for n in networks:
+        headers += [f"{n}: time to B-2's accuracy - 1 point, median (range)", f"{n}: vs B-2"]
     headers += ["accuracy, mean (min-max)", "vs B-2, points: mean ± s.e. (range), paired by seed"]
     headers += ["bytes sent/step/worker"]
 
@@ -128,6 +143,8 @@ def table(rows: list[dict], links: dict, args, machine: dict) -> str:
             cells.append(f"{x:,.0f} ({lo:,.0f}-{hi:,.0f})")
             bx = speed(b, n) if b else None
             cells.append(f"{x / bx:.2f}" if bx else "-")
+        for n in networks:
+            cells += _time_to_target(r, b, n)
         acc = accuracies(r)
         if acc:
             values = list(acc.values())
@@ -152,6 +169,16 @@ def table(rows: list[dict], links: dict, args, machine: dict) -> str:
         cells.append(f"{sent:,.0f}" if sent else "-")
         body.append(cells)
     link = ", ".join(f"{n}: {v:,.0f} MB/s" for n, v in links.items())
+    every = getattr(args, "curve_every", 0)
+    curve = (
+        f" Time to accuracy: training seconds (from `fit`'s start, tracing included, the "
+        f"evaluations left out) until the held-out accuracy, measured every {every} steps on "
+        "worker 0, first reaches B-2's final accuracy of the same seed less "
+        f"{100 * TARGET_SLACK:.0f} point; vs B-2: B-2's time over the row's, per seed (higher "
+        "is faster)."
+        if every
+        else ""
+    )
     held_out = "1,024" if args.held_out is None else f"{args.held_out:,}"
     return _report.markdown(headers, body) + (
         f"\n\nOne TCP stream between two hosts (the link): {link}. {args.workers} workers, "
@@ -163,7 +190,7 @@ def table(rows: list[dict], links: dict, args, machine: dict) -> str:
         "labelled by the training labels' fixed random linear map of the colour), the same on "
         "every network (training is deterministic). Machine: "
         f"{machine.get('cpus')} CPUs, TensorFlow {machine.get('tensorflow')}, Keras "
-        f"{machine.get('keras')}; every task shares these cores."
+        f"{machine.get('keras')}; every task shares these cores." + curve
     )
 
 
@@ -185,6 +212,12 @@ def main(argv=None) -> int:
         "--seeds", default="0", help="comma-separated seeds: each row runs once per seed"
     )
     parser.add_argument(
+        "--curve-every",
+        type=int,
+        default=16,
+        help="held-out accuracy every N steps, for the time to accuracy (0: off; divides --steps)",
+    )
+    parser.add_argument(
         "--render", metavar="JSON[,JSON]", help="print the table of earlier runs (their seeds)"
     )
     args = parser.parse_args(argv)
@@ -194,9 +227,10 @@ def main(argv=None) -> int:
             with open(path) as f:
                 runs.append(json.load(f))
         saved = runs[0]
-        settings = ("workers", "threads", "steps", "repeats", "held_out")
+        settings = ("workers", "threads", "steps", "repeats", "held_out", "curve_every")
         for key in settings:
             setattr(args, key, saved.get("args", {}).get(key, getattr(args, key, None)))
+        args.curve_every = saved.get("args", {}).get("curve_every") or 0  # none before curves
         rows = [dict(r, seeds=dict(_by_seed(r))) for r in saved["rows"]]
         by_name = {r["row"]: r for r in rows}
         for path, run in zip(args.render.split(",")[1:], runs[1:], strict=True):
@@ -258,7 +292,8 @@ def main(argv=None) -> int:
         print("link MB/s", links, flush=True)
         for seed in args.seeds.split(","):  # all rows of a seed side by side, then the next
             print(f"seed {seed}", flush=True)
-            seeded = {k: (*r[:4], {**r[4], "seed": int(seed)}, r[5]) for k, r in specs.items()}
+            workload = {"seed": int(seed), "curve_every": args.curve_every}
+            seeded = {k: (*r[:4], {**r[4], **workload}, r[5]) for k, r in specs.items()}
             for row in rows:
                 row["results"] = {}
             multihost.measure(rows, seeded, nets, links, args, _describe)
@@ -267,6 +302,49 @@ def main(argv=None) -> int:
     text = table(rows, links, args, machine)
     multihost.write(args.out, "localsgd", text, links, rows, machine, args)
     return 0
+
+
+def _time_to_target(row: dict, base: dict | None, network: str) -> list[str]:
+    """Two cells: the median training time to `base`'s final accuracy less TARGET_SLACK (per
+    seed, on `network`) with its range and the step, and base's time over the row's."""
+    times, ratios, missed, seeds = [], [], 0, 0
+    for seed, per_net in _by_seed(row).items():
+        result = per_net.get(network, {})
+        reference = (_by_seed(base).get(seed, {}).get(network, {}) if base else {}) or {}
+        if not result.get("curve") or reference.get("accuracy") is None:
+            continue
+        seeds += 1
+        target = reference["accuracy"] - TARGET_SLACK
+        reached = _reached(result["curve"], target)
+        if reached is None:
+            missed += 1
+            continue
+        times.append(reached)
+        base_reached = _reached(reference.get("curve") or [], target)
+        if base_reached is not None:
+            ratios.append(base_reached[1] / reached[1])
+    if not seeds:
+        return ["-", "-"]
+    if not times:
+        steps = max(p[0] for p in _by_seed(row)[next(iter(_by_seed(row)))][network]["curve"])
+        return [f"not reached in {steps} steps ({seeds} seed(s))", "-"]
+    seconds = [t[1] for t in times]
+    shown = f"{statistics.median(seconds):.0f} s"
+    if len(times) > 1:
+        shown += f" ({min(seconds):.0f}-{max(seconds):.0f})"
+    shown += f", step {times[0][0]}" if len(times) == 1 else ""
+    if missed:
+        shown += f"; not reached on {missed} of {seeds} seeds"
+    ratio = "-"
+    if ratios:
+        ratio = f"{statistics.median(ratios):.2f}"
+        ratio += f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
+    return [shown, ratio]
+
+
+def _reached(curve: list, target: float):
+    """The first [step, seconds, accuracy] point of `curve` at or above `target`, or None."""
+    return next((p for p in curve if p[2] >= target - 1e-9), None)
 
 
 def _describe(result: dict) -> str:

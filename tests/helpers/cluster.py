@@ -50,6 +50,34 @@ def run_script(*args, timeout: float = RUN_TIMEOUT) -> str:
     return proc.stdout
 
 
+def run_scripts(*commands: list, timeout: float = RUN_TIMEOUT) -> list[str]:
+    """Runs several `[SCRIPT, ARGS...]` in tests/workers at once, one process each (for runs of
+    one process that do not depend on each other: two such share the machine's 2 cores better
+    than one after the other); returns their outputs, in order."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, *args],
+            cwd=WORKERS,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for args in commands
+    ]
+    outputs = []
+    try:
+        for args, proc in zip(commands, procs):
+            stdout, stderr = proc.communicate(timeout=timeout)
+            assert proc.returncode == 0, f"{args}: {stdout[-3000:]}{stderr[-3000:]}"
+            outputs.append(stdout)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return outputs
+
+
 def start_task(config: TFConfig, task: str, index: int, *args) -> subprocess.Popen:
     """One task of `config` as its own process (no launcher), output piped, own session."""
     env = dict(os.environ, **config.for_task(task, index).to_env(), TF_NUM_INTRAOP_THREADS="1")

@@ -1,10 +1,9 @@
 """Global batches the replicas cannot split evenly, against single-device training.
 
 Usage:
-    python uneven_equiv.py OUT mirrored     one process: the single-device reference
-                                            (OUT/reference.npz), then MirroredNCCL over 2 and
-                                            4 logical CPUs (OUT/mirrored_<N>.npz)
-    python uneven_equiv.py OUT reference    the reference only
+    python uneven_equiv.py OUT mirrored     one process: MirroredNCCL over 2 and 4 logical
+                                            CPUs (OUT/mirrored_<N>.npz)
+    python uneven_equiv.py OUT reference    the single-device reference (OUT/reference.npz)
     python uneven_equiv.py OUT collective   a CollectiveAllReduce worker (`tfstrat launch`)
     python uneven_equiv.py OUT hybrid       a Hybrid worker (`tfstrat launch --ps 1`): also the
                                             "table_*" models, whose table is on the ps
@@ -157,15 +156,15 @@ def train(strategy, reference: bool, models=PLAIN) -> dict:
     return results
 
 
-if args.mode in ("reference", "mirrored"):
+if args.mode == "reference":
     np.savez(os.path.join(args.out, "reference.npz"), **train(None, True, ALL))
-if args.mode == "mirrored":
+elif args.mode == "mirrored":
     devices = [d.name for d in tf.config.list_logical_devices("CPU")]
     for n in (2, 4):
         strategy = tfstrat.MirroredNCCL(devices=devices[:n], timeout=60)
         np.savez(os.path.join(args.out, f"mirrored_{n}.npz"), **train(strategy, reference=False))
         print("done mirrored", n, flush=True)
-elif args.mode != "reference":
+else:
     task = os.environ["TFSTRAT_TASK"].replace(":", "_")
     models = ALL if args.mode == "hybrid" else PLAIN
     np.savez(os.path.join(args.out, f"{task}.npz"), **train(cluster_strategy, False, models))

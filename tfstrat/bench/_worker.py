@@ -4,7 +4,8 @@ Run by the benchmark drivers through `tfstrat launch`, one per task:
     python -m tfstrat.bench._worker '{"strategy": "collective", "model": "small", ...}'
 
 Strategies: "none" (no strategy), "mirrored" (MirroredNCCL), "collective"
-(CollectiveAllReduce; "collective-fp16", "collective-bf16", "collective-powersgdR": with
+(CollectiveAllReduce; "collective-fp16", "collective-bf16", "collective-powersgdR" (PowerSGD of
+rank R from the first step), "collective-powersgdRwN" (after N exact warm-up steps): with
 `compression=`), "ps-sync" / "ps-async" (ParameterServer), "hybrid", "localsgd-N"
 (LocalSGD, sync every N steps), "diloco-N" (LocalSGD with DiLoCo's outer Nesterov step;
 "diloco-N-lrX": its outer learning rate X instead of 0.7), and
@@ -69,9 +70,14 @@ def _strategy(tf, name: str, devices: int):
         import tfstrat
 
         method = name.split("-", 1)[1]
-        if method.startswith("powersgd") and method[8:].isdigit():
-            # Compressed from the first step, as the published slow-link rows were measured.
-            method = tfstrat.PowerSGD(rank=int(method[8:]), warmup_steps=0)
+        if method.startswith("powersgd"):  # "powersgd4": from the first step; "powersgd4w100"
+            rank, _, warmup = method[8:].partition("w")
+            if not rank.isdigit() or not (warmup.isdigit() or not warmup):
+                raise UsageError(
+                    f"Received: strategy={name!r}. Use collective-powersgdR or "
+                    "collective-powersgdRwN, e.g. collective-powersgd4w100."
+                )
+            method = tfstrat.PowerSGD(rank=int(rank), warmup_steps=int(warmup or 0))
         return tfstrat.CollectiveAllReduce(compression=method, timeout=120)
     if name == "hybrid":
         import tfstrat
@@ -146,6 +152,15 @@ def _teacher_data(np, seed: int, n: int, image: int):
     return x, ((color.reshape(n, 3) - 0.5) @ weights).argmax(1).astype("int32")
 
 
+def _held_out_accuracy(tf, np, model, image: int) -> float:
+    """This worker's model on the held-out images, in slices (no collective)."""
+    held_out, labels = _teacher_data(np, 1, HELD_OUT, image)
+    logits = np.concatenate(
+        [model(tf.constant(held_out[i : i + 512]), training=False) for i in range(0, HELD_OUT, 512)]
+    )
+    return float((np.asarray(logits).argmax(1) == labels).mean())
+
+
 def _data(tf, np, config: dict, global_batch: int):
     rng = np.random.default_rng(0)
     n = global_batch * (32 if config.get("accuracy") else 4)
@@ -204,7 +219,23 @@ def _model(keras, name: str, image: int):
     return keras.Model(inputs, layers.Dense(10)(x))
 
 
+def _curve_every(config: dict) -> int:
+    """Held-out accuracy every this many steps (0: none); each epoch runs in such chunks."""
+    every, steps = int(config.get("curve_every") or 0), int(config["steps"])
+    if every and not config.get("accuracy"):
+        raise UsageError(
+            f"Received: curve_every={every} without accuracy. The curve is held-out accuracy: "
+            "set accuracy too."
+        )
+    if every and (every < 0 or steps % every):
+        raise UsageError(
+            f"Received: curve_every={every} with steps={steps}. Use a divisor of steps."
+        )
+    return every
+
+
 def main(config: dict) -> dict:
+    every = _curve_every(config)  # before TensorFlow starts: a bad value costs nothing
     threads = int(config.get("threads") or 0)
     import tensorflow as tf
 
@@ -246,20 +277,39 @@ def main(config: dict) -> dict:
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         )
 
-    class Clock(keras.callbacks.Callback):
+    class Curve(keras.callbacks.Callback):
+        """Held-out accuracy every `curve_every` steps (each a short epoch: no sync in between)
+        against the training time until then (from `fit`'s start, tracing included; the
+        evaluations' own time left out)."""
+
+        def on_train_begin(self, logs=None):
+            self.points, self.eval_s = [], 0.0
+            self.start = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            if not every:
+                return
+            began = time.perf_counter()
+            accuracy = _held_out_accuracy(tf, np, model, int(config["image"]))
+            step = (epoch + 1) * every
+            self.points.append([step, began - self.start - self.eval_s, accuracy])
+            self.eval_s += time.perf_counter() - began
+
+    class Clock(keras.callbacks.Callback):  # epoch times without the curve's evaluations
         def on_train_begin(self, logs=None):
             self.seconds = []
 
         def on_epoch_begin(self, epoch, logs=None):
-            self.start = time.perf_counter()
+            self.start, self.eval_start = time.perf_counter(), curve.eval_s
 
         def on_epoch_end(self, epoch, logs=None):
-            self.seconds.append(time.perf_counter() - self.start)
+            evaluating = curve.eval_s - self.eval_start
+            self.seconds.append(time.perf_counter() - self.start - evaluating)
             self.loss = float(logs.get("loss", float("nan")))
 
     class Traffic(keras.callbacks.Callback):  # bytes to and from the ps tasks, timed epochs
         def on_epoch_begin(self, epoch, logs=None):
-            if epoch == 1:
+            if epoch == chunks:
                 self.start = sum(tcp_bytes(ps_ports))
 
         def on_train_end(self, logs=None):
@@ -271,7 +321,7 @@ def main(config: dict) -> dict:
 
     class RingBytes(keras.callbacks.Callback):  # what the TCP ring sent, timed epochs
         def on_epoch_begin(self, epoch, logs=None):
-            if epoch == 1:
+            if epoch == chunks:
                 self.start = ring.bytes_sent
 
         def on_train_end(self, logs=None):
@@ -279,16 +329,24 @@ def main(config: dict) -> dict:
 
     from tfstrat.runtime.traffic import tcp_bytes
 
-    clock, traffic, ring_bytes = Clock(), Traffic(), RingBytes()
+    curve, clock, traffic, ring_bytes = Curve(), Clock(), Traffic(), RingBytes()
     steps, repeats = int(config["steps"]), int(config["repeats"])
+    chunks = steps // every if every else 1
     local_sgd = config["strategy"].startswith(("localsgd-", "diloco-"))
     if local_sgd:  # what this worker sends: on its sockets, every peer, and shared memory
         shared = lambda: ring.shared_bytes if ring is not None else 0  # noqa: E731
         tcp_bytes = lambda ports: (_sent_bytes() + shared(),)  # noqa: E731
-    callbacks = [clock] + ([traffic] if ps_ports or local_sgd else [])
+    callbacks = [curve, clock] + ([traffic] if ps_ports or local_sgd else [])
     callbacks += [ring_bytes] if ring is not None and not local_sgd else []
-    model.fit(data, steps_per_epoch=steps, epochs=1 + repeats, verbose=0, callbacks=callbacks)
-    timed = clock.seconds[1:]  # epoch 0 traces and warms up
+    model.fit(
+        data,
+        steps_per_epoch=steps // chunks,
+        epochs=(1 + repeats) * chunks,
+        verbose=0,
+        callbacks=callbacks,
+    )
+    epochs = [sum(clock.seconds[i : i + chunks]) for i in range(0, len(clock.seconds), chunks)]
+    timed = epochs[1:]  # epoch 0 traces and warms up
     profile_dir = os.environ.get("TFSTRAT_BENCH_PROFILE")
     if profile_dir:  # 10 more steps, traced: `python benchmarks/profile_summary.py DIR/TASK`
         task = os.environ.get("TFSTRAT_TASK", "worker:0").replace(":", "-")
@@ -306,14 +364,7 @@ def main(config: dict) -> dict:
         sent = traffic.per_step
     accuracy = None
     if config.get("accuracy"):
-        held_out, labels = _teacher_data(np, 1, HELD_OUT, int(config["image"]))
-        logits = np.concatenate(  # this worker's model, in slices (no collective)
-            [
-                model(tf.constant(held_out[i : i + 512]), training=False)
-                for i in range(0, HELD_OUT, 512)
-            ]
-        )
-        accuracy = float((np.asarray(logits).argmax(1) == labels).mean())
+        accuracy = _held_out_accuracy(tf, np, model, int(config["image"]))
     import resource
 
     ps_rss = None
@@ -325,11 +376,12 @@ def main(config: dict) -> dict:
         "bytes_sent_per_step": None if ps_mode else (sent if replicas > 1 else 0),
         "final_loss": clock.loss,
         "accuracy": accuracy,
+        "curve": curve.points,  # [step, training seconds, held-out accuracy]
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "replicas": replicas,
         "global_batch": global_batch,
         "threads": tf.config.threading.get_intra_op_parallelism_threads(),
-        "warmup_s": clock.seconds[0],
+        "warmup_s": epochs[0],
         "epoch_s": timed,
         "steps_per_s": statistics.median(steps / s for s in timed),
         "examples_per_s": statistics.median(rates),

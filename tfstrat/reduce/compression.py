@@ -28,12 +28,13 @@ task) stay exact, and every worker gets the same bits, so the weights stay ident
   with the first exchange. Bytes per matrix: r (n + m) floats against n m.
 
   A model's first `warmup_steps` steps (100 by default) go exact, as one all-reduce of the
-  gradients then the exact vector: the same bits as `compression=None`.
+  gradients then the exact vector: the same bits as `compression=None`. The warm-up counts the
+  optimizer's steps (`iterations`, saved with the model), so a run resumed past it compresses
+  from its first step.
 
-The state (error feedback, Q, the steps counted) is kept per set of variables (a new model, even
-of the same shapes, starts afresh) in the worker's memory, not in checkpoints: a run resumed
-from a backup starts it afresh, warm-up included (the first steps after it differ from an
-uninterrupted run's).
+The state (error feedback and Q) is kept per set of variables (a new model, even of the same
+shapes, starts afresh) in the worker's memory, not in checkpoints: a run resumed from a backup
+starts it afresh (the first steps after it differ from an uninterrupted run's).
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ class PowerSGD:
         warmup_steps: the model's first steps go exact (the same bits as `compression=None`),
             as PyTorch's PowerSGD hook runs plain all-reduces for its first
             `start_powerSGD_iter` steps: early gradients change fast, and an approximation
-            of them costs accuracy that later steps do not win back soon. 0: none.
+            of them costs accuracy that later steps do not win back soon. Counted on the
+            optimizer's `iterations`: a run resumed past them compresses at once. 0: none.
     """
 
     rank: int = 4
@@ -162,6 +164,7 @@ def overflows_the_wire(grads, scale):
 # variable's token: only they are compressed (any other all-reduce, such as the extras, metrics
 # and batch statistics, stays exact), and PowerSGD keeps its state per set of variables.
 _marked: dict = {}
+_steps: dict = {}  # gradient ref -> the optimizer's iterations variable
 _lock = threading.Lock()
 _tokens = itertools.count()
 
@@ -178,12 +181,15 @@ def token(variable) -> int:
     return found
 
 
-def mark(pairs) -> list:
+def mark(pairs, step=None) -> list:
     """Marks dense gradients to compress, `(gradient, variable)` pairs; returns the marks, for
-    `forget` afterwards."""
+    `forget` afterwards. `step`: the optimizer's iterations (a variable, checkpointed with the
+    model), which PowerSGD's warm-up counts when given."""
     found = {g.ref(): token(v) for g, v in pairs}
     with _lock:
         _marked.update(found)
+        if step is not None:
+            _steps.update(dict.fromkeys(found, step))
     return list(found)
 
 
@@ -191,6 +197,13 @@ def forget(marks) -> None:
     with _lock:
         for m in marks:
             _marked.pop(m, None)
+            _steps.pop(m, None)
+
+
+def step_of(tensor):
+    """The optimizer step `tensor` was marked with (`mark(..., step=)`), or None."""
+    with _lock:
+        return _steps.get(tensor.ref())
 
 
 def marked(tensor) -> bool:
@@ -236,9 +249,12 @@ class PowerSGDState:
         self._results = Results()
         self._scratch = np.empty(total, np.float32)
 
-    def exchange(self, ring, lossy, exact, gathers):
+    def exchange(self, ring, lossy, exact, gathers, step=None):
+        """`step`: the optimizer's steps before this one (checkpointed with the model: a run
+        resumed past the warm-up does not warm up again); else the exchanges made here."""
         self.steps += 1
-        if self.steps <= self.config.warmup_steps:
+        done = self.steps - 1 if step is None else int(step)
+        if done < self.config.warmup_steps:
             return self._exact(ring, lossy, exact, gathers)
         # A step's inf or NaN is handled below (its matrices start afresh): no warnings.
         with np.errstate(invalid="ignore", over="ignore", divide="ignore"):

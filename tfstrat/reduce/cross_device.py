@@ -174,17 +174,27 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
                     )
                 inputs.append(packed)
                 shapes.append([None, packed.shape[1]])
-            # Slots of `inputs` (and of the outputs): [exact vector], [lossy part], blocks...
+            # Slots of `inputs` (and of the outputs): [exact vector], [lossy part], blocks...,
+            # [PowerSGD's optimizer step]
             at_lossy = 1 if exact else 0
             at_blocks = at_lossy + (1 if lossy else 0)
             state = self._powersgd([dense[j] for j in lossy]) if lossy else None
+            step = compression.step_of(dense[lossy[0]]) if state is not None else None
+            if step is not None:
+                inputs.append(tf.reshape(tf.cast(tf.convert_to_tensor(step), tf.int64), []))
+                shapes.append([])
+            at_step = len(inputs) - 1 if step is not None else None
 
             def exchange(*arrays):
                 mine = arrays[0] if exact else None
-                blocks = list(arrays[at_blocks:])
+                blocks = list(arrays[at_blocks:at_step])
                 if state is not None:  # PowerSGD: its own two exchanges
-                    approx, summed, gathered = state.exchange(ring, arrays[at_lossy], mine, blocks)
-                    return ([summed] if exact else []) + [approx] + gathered
+                    done = None if at_step is None else arrays[at_step]
+                    approx, summed, gathered = state.exchange(
+                        ring, arrays[at_lossy], mine, blocks, step=done
+                    )
+                    extra = [] if at_step is None else [done]
+                    return ([summed] if exact else []) + [approx] + gathered + extra
                 # Rounded 16-bit gradients are all-gathered as one more block.
                 rounded = [arrays[at_lossy]] if lossy else []
                 summed, gathered = ring.exchange(mine, rounded + blocks)
@@ -211,7 +221,7 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
                 ):
                     reduced[j] = tf.cast(tf.reshape(t, dense[j].shape), dense[j].dtype)
             gathered = {}
-            for (i, (v, _)), everyone in zip(slices.items(), outs[at_blocks:]):
+            for (i, (v, _)), everyone in zip(slices.items(), outs[at_blocks:at_step]):
                 g = sparse.unpack_rows(everyone, v)
                 if reduce_op == tf.distribute.ReduceOp.MEAN:
                     g = tf.IndexedSlices(g.values / self._group_size, g.indices, g.dense_shape)

@@ -59,7 +59,9 @@ def clip_aggregated(optimizer, grads, square_norms=None):
 
 
 def _take_over_clipping(optimizer, stop, replicas, square_norms=None):
-    reduce_sum = _exact_step.step_reduce(optimizer._all_reduce_sum_gradients, stop, replicas)
+    reduce_sum = _exact_step.step_reduce(
+        optimizer._all_reduce_sum_gradients, stop, replicas, getattr(optimizer, "iterations", None)
+    )
 
     def reduce_then_clip(grads_and_vars):
         pairs = list(reduce_sum(grads_and_vars))

@@ -195,9 +195,10 @@ def _keep_lazy_sparse(pairs) -> list:
     ]
 
 
-def step_reduce(reduce_sum, stop, replicas: int):
+def step_reduce(reduce_sum, stop, replicas: int, iterations=None):
     """Keras's gradient all-reduce (`optimizer._all_reduce_sum_gradients`), carrying the stop
-    flags (`_stopping`, multi-worker only), the rows weighting and the metric states."""
+    flags (`_stopping`, multi-worker only), the rows weighting and the metric states.
+    `iterations`: the optimizer's step counter, for a compression that counts steps."""
 
     def reduce(grads_and_vars):
         # A dense gradient can lose its static shape (TF 2.21: Dense on 3-D input gives its
@@ -209,7 +210,7 @@ def step_reduce(reduce_sum, stop, replicas: int):
         metrics = _step.metrics or []
         if not have or context is None or (stop is None and rows is None and not metrics):
             marks = _keep_lazy_sparse(pairs)
-            lossy = compression.mark((g, v) for g, v in pairs if _is_dense(g))
+            lossy = compression.mark(((g, v) for g, v in pairs if _is_dense(g)), iterations)
             try:
                 return reduce_sum(pairs)
             finally:
@@ -225,7 +226,9 @@ def step_reduce(reduce_sum, stop, replicas: int):
         variables = [v for m in metrics for v in m.variables]
         parts += [tf.reshape(tf.cast(v.value, dtype), [-1]) for v in variables]
         # The extras stay exact.
-        lossy = compression.mark((g, pairs[i][1]) for i, g in zip(have, grads) if _is_dense(g))
+        lossy = compression.mark(
+            ((g, pairs[i][1]) for i, g in zip(have, grads) if _is_dense(g)), iterations
+        )
         try:
             reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, grads + [tf.concat(parts, 0)])
         finally:
