@@ -15,12 +15,13 @@ that the tier does the same on every CPU; `test_empty_replica_under_onednn` turn
 where a Conv2D of 0 rows has the wrong shape (the case a replica with no rows must skip).
 """
 
+import concurrent.futures
 import json
 import math
 import os
-import threading
 
 import pytest
+from cluster import in_background
 from compare import TOLERANCE, compare, load
 from ecosystem import PATTERNS, PLAIN_SGD
 from table import run_strategy
@@ -35,28 +36,6 @@ RUNS_ONLY = ("conv_keras_io_small_last_batch",)
 ONEDNN_OFF = {"TF_ENABLE_ONEDNN_OPTS": "0"}
 
 
-class _Background(threading.Thread):
-    """`run_strategy` in a thread: one device's run goes on while the first test's own run
-    does (two processes share the machine's cores better than one after the other)."""
-
-    def __init__(self, kind: str, patterns: list[str], out: str):
-        super().__init__(daemon=True)
-        self.args, self.error = (kind, patterns, out), None
-
-    def run(self):
-        kind, patterns, out = self.args
-        try:
-            with open(os.path.join(out, f"{kind}.log"), "w") as log:
-                run_strategy(kind, patterns, out, log, env=ONEDNN_OFF)
-        except BaseException as e:  # re-raised by `wait`, in the test
-            self.error = e
-
-    def wait(self):
-        self.join()
-        if self.error is not None:
-            raise self.error
-
-
 _references: dict = {}
 
 
@@ -65,15 +44,14 @@ def out(tmp_path_factory):
     """The reference's directory; the reference (every pattern on one device) runs in the
     background until a check needs it (`_check`)."""
     out = str(tmp_path_factory.mktemp("ecosystem"))
-    _references[out] = _Background(REFERENCE, ALL, out)
-    _references[out].start()
+    _references[out] = in_background(_run, out, REFERENCE, ALL)
     yield out
-    _references.pop(out).join()
+    concurrent.futures.wait([_references.pop(out)])
 
 
 def _check(out: str, kind: str, patterns: list[str], reference: str = REFERENCE) -> None:
     if out in _references and reference == REFERENCE:
-        _references[out].wait()
+        _references[out].result()
     failures = []
     # Every task reported: one process under MirroredNCCL, both workers elsewhere.
     tasks = ["main"] if kind == "mirrored" else ["worker0", "worker1"]
@@ -161,10 +139,9 @@ def test_hybrid_holds_library_tables_on_the_ps_by_their_gradient(tmp_path):
     take the ps's update rule (`none-lazy`: lazy Adam, Keras's weight decay of every row)."""
     patterns = ["hub_bert", "rs_ranking", "rs_distributed_embedding", "hub_gpt2", "jit_compiled"]
     out = str(tmp_path)
-    reference = _Background("none-lazy", patterns, out)  # the two runs at once
-    reference.start()
+    reference = in_background(_run, out, "none-lazy", patterns)  # the two runs at once
     _run(out, "hybrid", patterns)
-    reference.wait()
+    reference.result()
     _check(out, "hybrid", patterns, reference="none-lazy")
 
     # BERT: token, segment; keras-rs's DistributedEmbedding: its two EmbedReduce tables.

@@ -1,6 +1,5 @@
 """ParameterServer: real ps tasks and workers started by `tfstrat launch`, against one device."""
 
-import concurrent.futures
 import json
 import os
 import sys
@@ -8,7 +7,7 @@ import time
 
 import numpy as np
 import pytest
-from cluster import RUN_TIMEOUT, launch_script, run_script, start_task
+from cluster import RUN_TIMEOUT, in_background, launch_script, run_script, start_task
 from common import relative_errors
 
 TOLERANCE = 1e-5
@@ -38,8 +37,7 @@ def _check_equal_to_reference(out_dir, reference):
 def _reference_run(tmp_path_factory):
     """The one-device run, started in the background: it goes on while the cluster runs."""
     out = tmp_path_factory.mktemp("reference")
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        yield out, pool.submit(run_script, "ps_equiv.py", str(out), "--reference")
+    return out, in_background(run_script, "ps_equiv.py", str(out), "--reference")
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ aggregate; its logs stay per worker, so only weights and step counts are compare
 
 import numpy as np
 import pytest
-from cluster import launch_script, run_scripts
+from cluster import in_background, launch_script, run_script
 from common import relative_errors
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -32,11 +32,9 @@ def runs(tmp_path_factory):
     the last 2 rows leave 2 of 4 replicas empty) in one process, the two at once. Three
     replicas are the 3-worker CollectiveAllReduce case below."""
     out = tmp_path_factory.mktemp("uneven")
-    run_scripts(
-        ["uneven_equiv.py", str(out), "reference"],
-        ["uneven_equiv.py", str(out), "mirrored"],
-        timeout=1100,
-    )
+    reference = in_background(run_script, "uneven_equiv.py", str(out), "reference", timeout=1100)
+    run_script("uneven_equiv.py", str(out), "mirrored", timeout=1100)
+    reference.result()
     return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import io
 import os
 import subprocess
@@ -50,32 +51,14 @@ def run_script(*args, timeout: float = RUN_TIMEOUT) -> str:
     return proc.stdout
 
 
-def run_scripts(*commands: list, timeout: float = RUN_TIMEOUT) -> list[str]:
-    """Runs several `[SCRIPT, ARGS...]` in tests/workers at once, one process each (for runs of
-    one process that do not depend on each other: two such share the machine's 2 cores better
-    than one after the other); returns their outputs, in order."""
-    procs = [
-        subprocess.Popen(
-            [sys.executable, *args],
-            cwd=WORKERS,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for args in commands
-    ]
-    outputs = []
-    try:
-        for args, proc in zip(commands, procs):
-            stdout, stderr = proc.communicate(timeout=timeout)
-            assert proc.returncode == 0, f"{args}: {stdout[-3000:]}{stderr[-3000:]}"
-            outputs.append(stdout)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return outputs
+def in_background(fn, *args, **kwargs) -> concurrent.futures.Future:
+    """`fn(*args, **kwargs)` in a thread of its own, for a run the caller's own run does not
+    read (one process of small models uses about one core: two share the machine's 2 cores
+    better than one after the other). `.result()` waits for it and raises what it raised."""
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    future = pool.submit(fn, *args, **kwargs)
+    pool.shutdown(wait=False)  # the thread ends with `fn`
+    return future
 
 
 def start_task(config: TFConfig, task: str, index: int, *args) -> subprocess.Popen:

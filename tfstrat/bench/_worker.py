@@ -15,6 +15,7 @@ the stock peers "tfkeras-none", "tfkeras-mirrored", "tfkeras-mwms"
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -152,9 +153,17 @@ def _teacher_data(np, seed: int, n: int, image: int):
     return x, ((color.reshape(n, 3) - 0.5) @ weights).argmax(1).astype("int32")
 
 
+@functools.lru_cache(maxsize=1)
+def _held_out(image: int):
+    """The held-out images and labels (made once: the curve evaluates them every few steps)."""
+    import numpy as np
+
+    return _teacher_data(np, 1, HELD_OUT, image)
+
+
 def _held_out_accuracy(tf, np, model, image: int) -> float:
     """This worker's model on the held-out images, in slices (no collective)."""
-    held_out, labels = _teacher_data(np, 1, HELD_OUT, image)
+    held_out, labels = _held_out(image)
     logits = np.concatenate(
         [model(tf.constant(held_out[i : i + 512]), training=False) for i in range(0, HELD_OUT, 512)]
     )
