@@ -4,7 +4,6 @@ private import behind the seam and the packages free of import cycles."""
 
 import ast
 import json
-import re
 import subprocess
 import sys
 import textwrap
@@ -27,24 +26,53 @@ pytestmark = pytest.mark.timeout(240)
 
 def test_supported_versions_pass_and_others_are_named():
     assert versions.problems("2.21.0", "3.15.1") == []
+    assert versions.problems("2.19.0", "3.10.0") == []
     assert versions.problems("2.21.3rc1", "3.15.0.dev2026") == []
-    assert versions.problems("2.22.0", "3.15.1") == [
-        "TensorFlow 2.22.0 (tfstrat supports tensorflow>=2.21,<2.22)"
+    assert versions.problems("2.22.0", "3.16.0") == []  # newer minors: supported, untested
+    assert versions.problems("2.18.1", "3.15.1") == [
+        "TensorFlow 2.18.1 (tfstrat supports tensorflow>=2.19,<3)"
     ]
-    assert versions.problems("2.20.1", "3.14.0") == [
-        "TensorFlow 2.20.1 (tfstrat supports tensorflow>=2.21,<2.22)",
-        "Keras 3.14.0 (tfstrat supports keras>=3.15,<3.16)",
+    assert versions.problems("3.0.0", "3.9.2") == [
+        "TensorFlow 3.0.0 (tfstrat supports tensorflow>=2.19,<3)",
+        "Keras 3.9.2 (tfstrat supports keras>=3.10,<4)",
     ]
-    assert versions.problems("nightly", "3.15.1") == [
-        "TensorFlow nightly (tfstrat supports tensorflow>=2.21,<2.22)"
+    assert versions.problems("nightly", "4.0.0") == [
+        "TensorFlow nightly (tfstrat supports tensorflow>=2.19,<3)",
+        "Keras 4.0.0 (tfstrat supports keras>=3.10,<4)",
     ]
 
 
-def test_pyproject_pins_the_ranges_the_check_enforces():
-    text = (ROOT / "pyproject.toml").read_text()
-    deps = text.split("dependencies = [", 1)[1].split("]", 1)[0]
-    for pip, ((a, b), (c, d)) in (("tensorflow", versions.TENSORFLOW), ("keras", versions.KERAS)):
-        assert re.search(rf'"{pip}>={a}\.{b},<{c}\.{d}"', deps), (pip, deps)
+def test_newer_than_tested_is_named_and_the_tested_range_is_inside_the_supported():
+    assert versions.untested("2.21.0", "3.15.1") == []
+    assert versions.untested("2.22.1", "3.16.0") == [
+        "TensorFlow 2.22.1 (tested: 2.19-2.21)",
+        "Keras 3.16.0 (tested: 3.10-3.15)",
+    ]
+    for supported, tested in (
+        (versions.TENSORFLOW, versions.TESTED_TENSORFLOW),
+        (versions.KERAS, versions.TESTED_KERAS),
+    ):
+        assert supported[0] == tested[0] and tested[1] < supported[1], (supported, tested)
+    tf_minors = {tuple(map(int, tf.split("."))) for tf, _ in versions.PAIRS + (versions.NEWEST,)}
+    keras_minors = {tuple(map(int, k.split("."))) for _, k in versions.PAIRS + (versions.NEWEST,)}
+    assert min(tf_minors) == versions.TESTED_TENSORFLOW[0], versions.PAIRS
+    assert max(tf_minors) == versions.TESTED_TENSORFLOW[1], versions.PAIRS
+    # every Keras minor of the tested range runs in some pair
+    (major, low), (_, high) = versions.TESTED_KERAS
+    assert keras_minors == {(major, m) for m in range(low, high + 1)}, versions.PAIRS
+
+
+def test_pyproject_allows_the_supported_range_and_the_suite_runs_the_newest_pair():
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for pip, bounds in (("tensorflow", versions.TENSORFLOW), ("keras", versions.KERAS)):
+        assert f"{pip}{versions.spec(bounds)}" in project["dependencies"], project["dependencies"]
+    test = project["optional-dependencies"]["test"]
+    tf, keras = versions.NEWEST
+    for pip, minor in (("tensorflow", tf), ("keras", keras)):
+        major, low = map(int, minor.split("."))
+        assert f"{pip}>={minor},<{major}.{low + 1}" in test, test
 
 
 def _run(code: str, **env) -> subprocess.CompletedProcess:
@@ -57,9 +85,10 @@ def _run(code: str, **env) -> subprocess.CompletedProcess:
     )
 
 
-UNSUPPORTED = """
+CREATE = """
     import keras
-    keras.__version__ = "3.16.0"  # as a newer Keras would report itself
+    keras.__version__ = "{version}"  # as another Keras would report itself
+    {change}
     import tfstrat
     try:
         tfstrat.MirroredNCCL(devices=["/cpu:0"])
@@ -67,23 +96,71 @@ UNSUPPORTED = """
     except tfstrat.TfstratError as e:
         print("REFUSED", type(e).__name__, e)
 """
+UNSUPPORTED = CREATE.format(version="3.9.2", change="")
+
+
+def _last(proc) -> str:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.strip().splitlines()[-1]
 
 
 def test_a_strategy_refuses_an_unsupported_keras_naming_versions_and_the_fix():
-    proc = _run(UNSUPPORTED)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    line = proc.stdout.strip().splitlines()[-1]
-    assert line.startswith("REFUSED VersionError"), proc.stdout + proc.stderr[-2000:]
-    assert "Keras 3.16.0 (tfstrat supports keras>=3.15,<3.16)" in line, line
-    assert "pip install 'tensorflow>=2.21,<2.22' 'keras>=3.15,<3.16'" in line, line
+    line = _last(_run(UNSUPPORTED))
+    assert line.startswith("REFUSED VersionError"), line
+    assert "Keras 3.9.2 (tfstrat supports keras>=3.10,<4)" in line, line
+    assert "pip install 'tensorflow>=2.19,<3' 'keras>=3.10,<4'" in line, line
     assert "TFSTRAT_ALLOW_UNSUPPORTED=1" in line, line
 
 
 def test_allow_unsupported_warns_once_and_goes_on():
     proc = _run(UNSUPPORTED, TFSTRAT_ALLOW_UNSUPPORTED="1")
     assert proc.returncode == 0 and "CREATED" in proc.stdout, proc.stdout + proc.stderr[-3000:]
-    warned = [x for x in proc.stderr.splitlines() if "running on unsupported Keras 3.16.0" in x]
+    warned = [x for x in proc.stderr.splitlines() if "running on unsupported Keras 3.9.2" in x]
     assert len(warned) == 1, proc.stderr[-3000:]
+
+
+def test_a_newer_keras_whose_patched_attributes_match_starts_with_one_warning():
+    proc = _run(CREATE.format(version="3.16.0", change=""))
+    assert _last(proc) == "CREATED", proc.stdout + proc.stderr[-3000:]
+    warned = [x for x in proc.stderr.splitlines() if "Keras 3.16.0 (tested: 3.10-3.15)" in x]
+    assert len(warned) == 1 and "has not been tested" in warned[0], proc.stderr[-3000:]
+
+
+CHANGED = """
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+    keras_make = TensorFlowTrainer._make_function
+    TensorFlowTrainer._make_function = lambda self, step_function, jit=False: keras_make(
+        self, step_function)
+    from keras.src.losses import loss
+    del loss.scale_loss_for_distribution
+"""
+
+
+def test_a_keras_whose_patched_attribute_changed_or_went_is_refused_naming_it():
+    line = _last(_run(CREATE.format(version="3.16.0", change=CHANGED)))
+    assert line.startswith("REFUSED VersionError"), line
+    assert (
+        "keras.src.backend.tensorflow.trainer.TensorFlowTrainer._make_function is "
+        "(self, step_function, jit=False) in Keras 3.16.0; tfstrat's replacement is written "
+        "for (self, step_function) in Keras 3.10-3.15" in line
+    ), line
+    assert (
+        "keras.src.losses.loss.scale_loss_for_distribution does not exist in Keras 3.16.0 "
+        "(Keras 3.10-3.15 have it)" in line
+    ), line
+    assert "pip install 'keras>=3.10,<3.16'" in line and "TFSTRAT_ALLOW_UNSUPPORTED=1" in line
+
+
+def test_every_patched_keras_attribute_is_listed_with_the_signature_installed():
+    import keras
+
+    from tfstrat._compat import surface
+
+    assert surface.problems(keras.__version__, patches.original) == []
+    owner = keras.layers.Dense  # a Keras class that is not in the table: refused by name
+    with pytest.raises(AssertionError, match=r"Dense'>.call, which tfstrat._compat.surface"):
+        patches.patch(owner, "call", owner.call, "a test's reason")
+    assert not patches.is_patched(owner, "call")
 
 
 def test_version_error_is_a_tfstrat_error():

@@ -334,3 +334,15 @@ def test_async_worker_that_exits_0_early_is_reported_and_the_run_still_succeeds(
     assert report in out, out[-6000:]
     assert "worker:0 finished training" in out
     assert "worker:0 saw the launcher's report: True" in out, out[-6000:]
+
+
+@pytest.mark.timeout(120)
+def test_error_before_teardown_warnings_is_shown_and_blamed():
+    """Python's teardown warnings after a traceback (TensorFlow prints one per optimizer slot
+    of an unfinished restore) neither hide the error in the box nor the task it names."""
+    code, out, _, _ = _launch("faults_launch_noisy_exit.py", workers=2, grace=5)
+    assert code != 0, out[-3000:]
+    box = out[out.index("=" * 72) :]
+    assert "TimeoutError: no reply from /job:worker/replica:0/task:1 after 60 s" in box, box
+    assert "lines left out" in box, box
+    assert "worker:1 is the probable cause" in out, out[-3000:]

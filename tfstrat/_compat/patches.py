@@ -12,6 +12,7 @@ optimizer steps (`tfstrat.keras._rowwise`, `TFSTRAT_ROWWISE=0` turns them off) w
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any
 
 
@@ -36,8 +37,19 @@ _patches: dict[tuple[int, str], Patch] = {}
 
 def patch(owner: Any, name: str, replacement: Any, why: str) -> Any:
     """Sets `owner.name = replacement`; returns what was there before tfstrat's first patch of
-    it (patching twice keeps that original)."""
+    it (patching twice keeps that original).
+
+    A Keras attribute must be a row of `surface.PATCHED`, whose signature `versions.check`
+    verifies on the installed release."""
     key = (id(owner), name)
+    if key not in _patches and _is_keras(owner):
+        from tfstrat._compat import surface
+
+        if not surface.listed(owner, name):
+            raise AssertionError(
+                f"tfstrat patches {owner!r}.{name}, which tfstrat._compat.surface.PATCHED "
+                "does not list: add its row (the attribute and its signature)"
+            )
     if key not in _patches:
         own = name in vars(owner)
         _patches[key] = Patch(
@@ -45,6 +57,11 @@ def patch(owner: Any, name: str, replacement: Any, why: str) -> Any:
         )
     setattr(owner, name, replacement)
     return _patches[key].original
+
+
+def _is_keras(owner: Any) -> bool:
+    module = owner.__name__ if inspect.ismodule(owner) else getattr(owner, "__module__", "")
+    return str(module).split(".")[0] == "keras"
 
 
 def original(owner: Any, name: str) -> Any:

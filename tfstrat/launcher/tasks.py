@@ -179,6 +179,18 @@ def stop(tasks: Sequence[Task], grace: float):
         uninterrupted(t.kill)
 
 
+def recent(tail, count: int = _BLAME_LINES) -> list[str]:
+    """The lines of a task's tail that say why it ended: the last `count`, or, when the last
+    Python traceback began before them, from that traceback on (Python prints warnings after
+    the traceback as it tears objects down, e.g. TensorFlow's "Value in checkpoint could not be
+    found" for every optimizer slot of an unfinished restore; they must not hide the error)."""
+    lines = list(tail)
+    start = max((i for i, x in enumerate(lines) if x.startswith("Traceback")), default=None)
+    if start is None or start >= len(lines) - count:
+        return lines[-count:]
+    return lines[start:]
+
+
 def error_line(lines: Sequence[str]) -> str:
     """The last line that looks like an error (e.g. Python's exception line), else the last."""
     lines = [line.strip() for line in lines if line.strip()]
@@ -233,7 +245,7 @@ class Failure:
 
     def summary(self) -> str:
         """One line for a restart notice: which task, exit code, its error line."""
-        line = error_line(list(self.noticed_by.tail)[-_BLAME_LINES:])
+        line = error_line(recent(self.noticed_by.tail))
         if self.cause == self.noticed_by.name:
             return (
                 f"{self.at(self.cause)} failed (exit code {self.code}"
@@ -256,7 +268,7 @@ def blame(
 
     `known` holds every task of the cluster (in a multi-node run, other nodes' too)."""
     places = places or {}
-    tail = list(task.tail)[-_BLAME_LINES:]
+    tail = recent(task.tail)
     if exit_status(returncode) == 143 and any(STOPPED_ON_SIGTERM in line for line in tail):
         # It stopped as it was told (its logs may name other tasks): nobody else to blame.
         return Failure(task, returncode, task.name, "", places)
@@ -279,11 +291,23 @@ def last_lines(tail, count: int = 20) -> list[str]:
     """The last `count` lines of a task's output, without Python's crash-dump list of loaded
     extension modules (one line of thousands of characters); after a native crash, from a
     few lines before "Fatal Python error" instead (the line that says what crashed, and TF's
-    own fatal message just before it, matter more than the last threads' stacks)."""
+    own fatal message just before it, matter more than the last threads' stacks); when the
+    last Python traceback began before the last `count` lines, that traceback (up to `count`
+    lines of it), a line saying how many lines were left out, and the last 3."""
     lines = [line for line in tail if not line.startswith("Extension modules:")]
     fatal = [i for i, line in enumerate(lines) if line.startswith("Fatal Python error")]
-    start = max(0, fatal[-1] - 5) if fatal else len(lines) - count
-    return lines[max(0, start) :][: max(count, 40) if fatal else count]
+    if fatal:
+        start = max(0, fatal[-1] - 5)
+        return lines[start:][: max(count, 40)]
+    shown = recent(lines, count)
+    if len(shown) <= count:
+        return shown
+    traceback = shown[:count]
+    end = next((i + 1 for i, x in enumerate(traceback[1:], 1) if not x.startswith(" ")), count)
+    left_out = len(shown) - end - 3
+    if left_out <= 0:
+        return shown
+    return [*shown[:end], f"... ({left_out} lines left out)", *shown[-3:]]
 
 
 def report(
