@@ -136,6 +136,16 @@ def test_line_filter_names_what_it_hides():
         "variable `TF_ENABLE_ONEDNN_OPTS=0`."
     )
     assert not shown.shows("WARNING:absl:Changing the value of option auto_shard_policy from A")
+    # TensorFlow 2.19's duplicate CUDA plugin registrations, printed by every task
+    assert not shown.shows(
+        "E0000 00:00:1795839492.293430    1272 cuda_dnn.cc:8579] Unable to register cuDNN "
+        "factory: Attempting to register factory for plugin cuDNN when one has already been "
+        "registered"
+    )
+    assert not shown.shows(
+        "W0000 00:00:1795839492.308602    1272 computation_placer.cc:177] computation placer "
+        "already registered. Please check linkage and avoid linking the same target more than once."
+    )
     assert shown.shows("WARNING:absl:something else")
     assert shown.shows("tfstrat: layer 'e' is a keras.layers.Embedding: ...")
     assert _quiet.LineFilter(verbose=True).shows(

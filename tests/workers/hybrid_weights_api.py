@@ -4,6 +4,7 @@ Usage:
     python hybrid_weights_api.py OUT --reference   one device, no tfstrat: OUT/reference.{json,npz}
     python hybrid_weights_api.py OUT               a Hybrid worker (tfstrat launch --ps 1):
                                                    OUT/<task>.{json,npz}
+    --models plain,bert (the default) or plain     which of the two models below
 
 Two models, each built and compiled in the strategy's scope: a plain Keras one (Embedding(50, 4),
 Flatten, Dense(1); Adagrad, whose accumulator is a slot) and keras-hub's BertTextClassifier
@@ -23,6 +24,7 @@ import numpy as np
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
 parser.add_argument("--reference", action="store_true")
+parser.add_argument("--models", default="plain,bert")
 args = parser.parse_args()
 
 import tfstrat  # noqa: E402
@@ -97,7 +99,7 @@ def summary_counts(model) -> list[str]:
 
 
 report, arrays = {}, {}
-for name, make in (("plain", plain), ("bert", bert)):
+for name, make in [(m, {"plain": plain, "bert": bert}[m]) for m in args.models.split(",")]:
     model, table_layer, x, y = make()
     model.predict(
         x[:GLOBAL_BATCH] if name == "plain" else {k: v[:2] for k, v in x.items()}, verbose=0

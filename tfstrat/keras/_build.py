@@ -124,7 +124,7 @@ def _first_batch(strategy, iterator):
     from tfstrat._compat.keras import tree
 
     batch = None
-    for _, _, it in iterator:
+    for *_, it in iterator:  # (begin, end, iterator); (step, iterator) before Keras 3.11
         batch = next(it)
         break
     if batch is None:

@@ -136,7 +136,9 @@ class TableSlots(KerasSaveable):
         self._remote, self._strategy = remote, strategy
 
     def _obj_type(self):
-        return "Operation"  # only names the attributes Keras's saving skips; we have none
+        # Only names the attributes Keras's saving skips (a Loss's; this has no saveable one).
+        # Every Keras from 3.10 accepts "Loss"; "Operation" came in 3.11.
+        return "Loss"
 
     def save_own_variables(self, store):
         fills = slot_fills(getattr(self._strategy, "_optimizer", None))

@@ -141,11 +141,12 @@ def _install() -> None:
         self.steps_per_epoch = counts[0] and counts[0] - skip  # None (unknown) stays None
         self._num_batches = counts[1] and counts[1] - skip
         try:
-            for i, (begin, end, iterator) in enumerate(keras_enumerate(self)):
+            # (begin, end, iterator); (step, iterator) before Keras 3.11
+            for i, item in enumerate(keras_enumerate(self)):
                 if i == 0:
                     for _ in range(skip):  # trained before the interruption
-                        next(iterator)
-                yield begin, end, iterator
+                        next(item[-1])
+                yield item
         finally:
             self.steps_per_epoch, self._num_batches = counts
 

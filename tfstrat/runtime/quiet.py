@@ -52,6 +52,15 @@ NOISE_LINES: tuple[tuple[str, re.Pattern], ...] = (
         re.compile(r"port\.cc:\d+\] oneDNN custom operations are on"),
     ),
     (
+        "TensorFlow 2.19's notice that its CUDA plugins registered twice (printed before its "
+        "C++ logging starts, with or without a GPU; harmless)",
+        re.compile(
+            r"Unable to register cu(FFT|DNN|BLAS) factory: Attempting to register factory for "
+            r"plugin cu\w+ when one has already been registered"
+            r"|computation placer already registered\. Please check linkage"
+        ),
+    ),
+    (
         "tf.data's note that the auto_shard_policy changed: tfstrat shards the input itself "
         "and says how in its own line",
         re.compile(r"WARNING:absl:Changing the value of option auto_shard_policy"),

@@ -1,0 +1,126 @@
+"""The compat tier: tfstrat on older (or newer) TensorFlow and Keras releases.
+
+For each (TensorFlow, Keras) pair a venv of its own (`.venv/compat/tfX-kerasY`, made once and
+kept) runs a short equivalence set of the main suite's own tests (`CASES`: MirroredNCCL,
+CollectiveAllReduce, Hybrid with a ps and its weight APIs, ParameterServer sync, ModelParallel
+on every mesh of two devices, save and load), each against one device on that same pair.
+tfstrat comes from this checkout (on PYTHONPATH, as `pip install --no-deps -e .` would give).
+
+Which pairs:
+- `scripts/test --pair tf=2.22,keras=3.16` (repeatable; TFSTRAT_COMPAT_PAIRS="2.22/3.16;..."):
+  those, listed or not; the way to try a new release.
+- `scripts/test -m compat`: every pair of `tfstrat._compat.versions.PAIRS`.
+- otherwise (the whole suite, CI): the oldest pair only; the main suite is the newest.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tfstrat._compat import versions
+
+ROOT = Path(__file__).resolve().parents[1]
+PAIRS_ENV = "TFSTRAT_COMPAT_PAIRS"
+# The main suite's tests that the pair must pass (about 2 minutes on 2 cores).
+CASES = (
+    "tests/test_mirrored.py::test_equals_single_device_training[2-auto]",
+    "tests/test_collective.py::test_two_workers_equal_single_device",
+    "tests/test_hybrid.py::test_two_workers_equal_single_device[1]",
+    "tests/test_hybrid.py::test_kerass_weight_apis_see_ps_held_tables_as_one_device_does",
+    "tests/test_ps.py::test_two_workers_one_ps_equal_single_device",
+    "tests/test_model_parallel.py::test_mlp_on_every_mesh_with_checkpoints",
+    "tests/test_keras_reuse_save.py::test_strategy_twice_and_save_on_every_worker",
+)
+# What the venv needs besides the pair: what the cases import (tests/conftest.py included).
+TEST_PACKAGES = ("pytest>=8,<10", "pytest-timeout>=2.3", "hypothesis>=6.100")
+INSTALL_TIMEOUT = 600
+RUN_TIMEOUT = 900
+
+pytestmark = [pytest.mark.compat, pytest.mark.timeout(INSTALL_TIMEOUT + RUN_TIMEOUT + 60)]
+
+
+def parse_pairs(text: str) -> list[tuple[str, str]]:
+    """ "2.19/3.10;2.22/3.16" as [("2.19", "3.10"), ("2.22", "3.16")]; a bad entry is named."""
+    pairs = []
+    for entry in filter(None, (e.strip() for e in text.split(";"))):
+        match = re.fullmatch(r"(\d+\.\d+(?:\.\d+)?)/(\d+\.\d+(?:\.\d+)?)", entry)
+        if not match:
+            raise pytest.UsageError(
+                f"{PAIRS_ENV}: received {entry!r}; use TF/KERAS releases like 2.19/3.10 "
+                "(scripts/test --pair tf=2.19,keras=3.10)"
+            )
+        pairs.append((match[1], match[2]))
+    return pairs
+
+
+def _pairs(config) -> list[tuple[str, str]]:
+    if os.environ.get(PAIRS_ENV, "").strip():
+        return parse_pairs(os.environ[PAIRS_ENV])
+    if (config.getoption("markexpr") or "").strip() == "compat":
+        return list(versions.PAIRS)
+    return list(versions.PAIRS[:1])
+
+
+def pytest_generate_tests(metafunc):
+    if "pair" in metafunc.fixturenames:
+        pairs = _pairs(metafunc.config)
+        metafunc.parametrize("pair", pairs, ids=[f"tf{t}-keras{k}" for t, k in pairs])
+
+
+def _spec(name: str, release: str) -> str:
+    """`2.19` as `name==2.19.*` (the newest patch), `2.19.1` as `name==2.19.1`."""
+    return f"{name}=={release}.*" if release.count(".") == 1 else f"{name}=={release}"
+
+
+def _venv(tf: str, keras: str) -> Path:
+    """The pair's venv, made and installed once (a stamp file says it is complete)."""
+    venv = Path(sys.prefix) / "compat" / f"tf{tf}-keras{keras}"
+    python = venv / "bin" / "python"
+    stamp = venv / ".installed"
+    if stamp.exists():
+        return python
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True, timeout=120)
+    proc = subprocess.run(
+        [str(python), "-m", "pip", "install", "-qq", _spec("tensorflow", tf),
+         _spec("keras", keras), *TEST_PACKAGES],
+        capture_output=True, text=True, timeout=INSTALL_TIMEOUT,
+    )  # fmt: skip
+    assert proc.returncode == 0, (
+        f"pip could not install TensorFlow {tf} with Keras {keras} "
+        f"(is the pair on the registry, and does TensorFlow {tf} allow Keras {keras}?):\n"
+        + proc.stderr[-3000:]
+    )
+    stamp.write_text(f"tensorflow {tf}, keras {keras}\n")
+    return python
+
+
+def _installed(python: Path) -> tuple[str, str]:
+    out = subprocess.run(
+        [str(python), "-c", "import importlib.metadata as m; "
+         "print(m.version('tensorflow'), m.version('keras'))"],
+        capture_output=True, text=True, check=True, timeout=60,
+    ).stdout.split()  # fmt: skip
+    return out[0], out[1]
+
+
+def test_the_equivalence_set_passes_on_the_pair(pair):
+    tf, keras = pair
+    python = _venv(tf, keras)
+    found = _installed(python)
+    for want, have in zip(pair, found):
+        assert have == want or have.startswith(want + "."), (pair, found)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env.pop(PAIRS_ENV, None)
+    proc = subprocess.run(
+        [str(python), "-m", "pytest", "-p", "no:cacheprovider", "-q", *CASES],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT,
+    )  # fmt: skip
+    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    where = f"TensorFlow {found[0]} with Keras {found[1]}"
+    assert proc.returncode == 0, f"{where}:\n{proc.stdout[-8000:]}\n{proc.stderr[-2000:]}"
+    # every case ran and passed: none skipped or deselected
+    assert re.fullmatch(rf"{len(CASES)} passed in .*", summary), (where, proc.stdout[-3000:])
