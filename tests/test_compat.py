@@ -75,6 +75,24 @@ def test_pyproject_allows_the_supported_range_and_the_suite_runs_the_newest_pair
         assert f"{pip}>={minor},<{major}.{low + 1}" in test, test
 
 
+def test_the_readmes_release_table_shows_the_tested_pairs():
+    """`c` cells are `versions.PAIRS`, the one `T` is `versions.NEWEST`, and its rows and
+    columns span the tested range."""
+    text = (ROOT / "README.md").read_text()
+    table = text.split("| TensorFlow \\ Keras |", 1)[1].split("\n\n", 1)[0].splitlines()
+    columns = [c.strip() for c in table[0].strip(" |").split("|")]
+    cells = {}
+    for row in table[2:]:
+        tf, *marks = [c.strip() for c in row.strip(" |").split("|")]
+        cells.update({(tf, keras): mark for keras, mark in zip(columns, marks)})
+    assert sorted(k for k, v in cells.items() if v == "c") == sorted(versions.PAIRS), cells
+    assert [k for k, v in cells.items() if v == "T"] == [versions.NEWEST], cells
+    (a, b), (c, d) = versions.TESTED_TENSORFLOW
+    assert sorted({tf for tf, _ in cells}) == [f"{a}.{m}" for m in range(b, d + 1)], cells
+    (a, b), (c, d) = versions.TESTED_KERAS
+    assert columns == [f"{a}.{m}" for m in range(b, d + 1)], columns
+
+
 def _run(code: str, **env) -> subprocess.CompletedProcess:
     import os
 
@@ -363,3 +381,21 @@ def test_every_package_directory_has_an_init_so_a_wheel_holds_it():
         if not (d / "__init__.py").exists()
     ]
     assert missing == [], missing
+
+
+def test_doctor_reads_the_same_ranges():
+    from types import SimpleNamespace
+
+    from tfstrat.commands import doctor
+
+    def check(tf, keras):
+        return doctor._versions(SimpleNamespace(tensorflow_version=tf, keras_version=keras))
+
+    assert check("2.19.1", "3.10.0").status == "ok"
+    newer = check("2.21.0", "3.16.0")
+    assert newer.status == "note" and "Keras 3.16.0 (tested: 3.10-3.15)" in newer.text
+    old = check("2.18.0", "3.15.1")
+    assert old.status == "FAIL", old
+    assert "TensorFlow 2.18.0 (tfstrat supports tensorflow>=2.19,<3)" in old.text, old
+    assert "pip install 'tensorflow>=2.19,<3' 'keras>=3.10,<4'" in old.text, old
+    assert check("2.21.0", None).status == "FAIL"

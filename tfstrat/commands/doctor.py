@@ -28,9 +28,6 @@ from tfstrat.cluster import ports as _ports
 from tfstrat.commands import _args
 from tfstrat.strategies.choice import choose, describe
 
-# The TensorFlow releases tfstrat is built and tested against (pyproject.toml's range).
-_TF_SUPPORTED = ((2, 21), (2, 22))
-
 
 @dataclasses.dataclass(frozen=True)
 class Check:
@@ -44,20 +41,23 @@ class Check:
 
 
 def _versions(info) -> Check:
-    parts = tuple(int(p) for p in info.tensorflow_version.split(".")[:2] if p.isdigit())
+    """The releases against tfstrat's supported and tested ranges (`tfstrat._compat.versions`)."""
+    from tfstrat._compat import versions
+
     text = (
         f"TensorFlow {info.tensorflow_version}, Keras {info.keras_version or 'not installed'}, "
         f"Python {sys.version.split()[0]}"
     )
-    low, high = _TF_SUPPORTED
-    if not low <= parts < high:
+    found = versions.problems(info.tensorflow_version, info.keras_version or "none")
+    if found:
         return Check(
             "FAIL",
-            f"{text}: tfstrat needs TensorFlow >={low[0]}.{low[1]},<{high[0]}.{high[1]} "
-            "(pip install -e . installs it)",
+            f"{text}: {' and '.join(found)}; pip install "
+            f"'tensorflow{versions.spec(versions.TENSORFLOW)}' 'keras{versions.spec(versions.KERAS)}'",
         )
-    if info.keras_version is None or not info.keras_version.startswith("3."):
-        return Check("FAIL", f"{text}: tfstrat needs Keras 3 (pip install 'keras>=3.15,<4')")
+    newer = versions.untested(info.tensorflow_version, info.keras_version)
+    if newer:
+        return Check("note", f"{text}: {' and '.join(newer)}, supported but not yet tested")
     return Check("ok", text)
 
 
