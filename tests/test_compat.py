@@ -79,7 +79,7 @@ def test_the_readmes_release_table_shows_the_tested_pairs():
     """`c` cells are `versions.PAIRS`, the one `T` is `versions.NEWEST`, and its rows and
     columns span the tested range."""
     text = (ROOT / "README.md").read_text()
-    table = text.split("| TensorFlow \\ Keras |", 1)[1].split("\n\n", 1)[0].splitlines()
+    table = text.split("| TensorFlow / Keras |", 1)[1].split("\n\n", 1)[0].splitlines()
     columns = [c.strip() for c in table[0].strip(" |").split("|")]
     cells = {}
     for row in table[2:]:
