@@ -47,7 +47,8 @@ def parse_pairs(text: str) -> list[tuple[str, str]]:
     """ "2.19/3.10;2.22/3.16" as [("2.19", "3.10"), ("2.22", "3.16")]; a bad entry is named."""
     pairs = []
     for entry in filter(None, (e.strip() for e in text.split(";"))):
-        match = re.fullmatch(r"(\d+\.\d+(?:\.\d+)?)/(\d+\.\d+(?:\.\d+)?)", entry)
+        release = r"\d+\.\d+(?:\.\d+(?:rc\d+)?)?"  # 2.19, 2.19.1 or 2.22.0rc0
+        match = re.fullmatch(rf"({release})/({release})", entry)
         if not match:
             raise pytest.UsageError(
                 f"{PAIRS_ENV}: received {entry!r}; use TF/KERAS releases like 2.19/3.10 "
@@ -72,7 +73,8 @@ def pytest_generate_tests(metafunc):
 
 
 def _spec(name: str, release: str) -> str:
-    """`2.19` as `name==2.19.*` (the newest patch), `2.19.1` as `name==2.19.1`."""
+    """`2.19` as `name==2.19.*` (the newest patch), `2.19.1` as `name==2.19.1` (and a release
+    candidate, `2.22.0rc0`, as itself)."""
     return f"{name}=={release}.*" if release.count(".") == 1 else f"{name}=={release}"
 
 

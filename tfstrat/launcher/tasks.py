@@ -39,6 +39,8 @@ _BLAME_LINES = 40  # the lines searched for an error line and the tasks it names
 # TensorFlow's task names, and tfstrat's (`worker:1`, `ps:0 at host:port`).
 _TASK_NAME = re.compile(r"/job:(\w+)/replica:\d+/task:(\d+)|\b(chief|worker|ps|evaluator):(\d+)\b")
 _ERROR_LINE = re.compile(r"\w(Error|Exception|Exit)\b|\berror\b|failed|fatal|abort", re.I)
+# A log line that is a warning, however it mentions errors (Python's and TensorFlow's forms).
+_WARNING = re.compile(r"(WARNING:|W\d{4} |\S+: \w*Warning:|.*\bwarnings?\.warn)")
 
 
 def exit_status(returncode: int) -> int:
@@ -292,8 +294,9 @@ def last_lines(tail, count: int = 20) -> list[str]:
     extension modules (one line of thousands of characters); after a native crash, from a
     few lines before "Fatal Python error" instead (the line that says what crashed, and TF's
     own fatal message just before it, matter more than the last threads' stacks); when the
-    last Python traceback began before the last `count` lines, that traceback (up to `count`
-    lines of it), a line saying how many lines were left out, and the last 3."""
+    last Python traceback began before the last `count` lines, the lines up to its error (the
+    last line that reads as one, not a warning) and 2 after it, with lines saying how many
+    were left out before and after (e.g. TensorFlow's teardown warnings)."""
     lines = [line for line in tail if not line.startswith("Extension modules:")]
     fatal = [i for i, line in enumerate(lines) if line.startswith("Fatal Python error")]
     if fatal:
@@ -302,12 +305,13 @@ def last_lines(tail, count: int = 20) -> list[str]:
     shown = recent(lines, count)
     if len(shown) <= count:
         return shown
-    traceback = shown[:count]
-    end = next((i + 1 for i, x in enumerate(traceback[1:], 1) if not x.startswith(" ")), count)
-    left_out = len(shown) - end - 3
-    if left_out <= 0:
-        return shown
-    return [*shown[:end], f"... ({left_out} lines left out)", *shown[-3:]]
+    errors = [i for i, x in enumerate(shown) if _ERROR_LINE.search(x) and not _WARNING.match(x)]
+    end = min(len(shown), (errors[-1] if errors else len(shown) - 1) + 3)
+    start = max(1, end - (count - 3))
+    head = [shown[0]] if start == 1 else [shown[0], f"... ({start - 1} lines left out)"]
+    after = len(shown) - end
+    tail_lines = [f"... ({after} more lines after it left out; the last:)", shown[-1]]
+    return [*head, *shown[start:end], *(tail_lines if after > 1 else shown[end:])]
 
 
 def report(
