@@ -99,8 +99,10 @@ def test_allreduce_quick_writes_the_table(tmp_path, capsys, plots):
 def test_model_parallel_quick_fits_wider_models_in_the_same_bytes(tmp_path, capsys, plots):
     code = main(["bench", "model-parallel", "--quick", "--out", str(tmp_path)])
     assert code == 0, capsys.readouterr()
-    rows = json.loads((tmp_path / "model-parallel.json").read_text())
-    assert [r["row"] for r in rows] == ["DP-2", "MP-1x2"]  # --quick: one of each kind
+    every = json.loads((tmp_path / "model-parallel.json").read_text())
+    # --quick: one of each kind, and the speed rows of TensorFlow
+    assert [r["row"] for r in every] == ["DP-2", "MP-1x2", "S-TF-1", "S-TF-MP-1x2"]
+    rows, speed = every[:2], every[2:]
     for r in rows:
         assert max(r["held_bytes"]) == r["bookkeeping_bytes"] <= r["budget_bytes"], r
     dp, mp2 = rows
@@ -109,7 +111,14 @@ def test_model_parallel_quick_fits_wider_models_in_the_same_bytes(tmp_path, caps
     # layers' activations within the model group only.
     assert dp["model_axis_bytes"] == 0 and dp["batch_axis_bytes"] > 0
     assert mp2["batch_axis_bytes"] == 0 and mp2["model_axis_bytes"] > 0
-    assert "not a speed measure" in (tmp_path / "model-parallel.md").read_text()
+    # The speed rows: examples/s, each row's ratio to its backend's one device, the same
+    # training (the split is exact: the same loss within float32's reach).
+    one, split = speed
+    assert one["ratio"] == 1.0 and split["ratio"] > 0, speed
+    assert split["examples_per_s"] == pytest.approx(split["ratio"] * one["examples_per_s"])
+    assert split["loss"] == pytest.approx(one["loss"], rel=1e-4), speed
+    text = (tmp_path / "model-parallel.md").read_text()
+    assert "vs its backend on one device" in text and one["machine"]["cpu"] in text, text
     assert (tmp_path / "model-parallel.png").stat().st_size > 0
 
 

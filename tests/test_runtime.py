@@ -159,3 +159,28 @@ def test_task_env_turned_off_drops_the_value_tfstrat_set(monkeypatch):
 def test_task_env_rejects_an_unknown_switch_value_naming_it():
     with pytest.raises(ValueError, match="TFSTRAT_CPU_ALLOCATOR='jemalloc'"):
         _runtime.task_env({_runtime.SWITCH: "jemalloc"})
+
+
+# --- the dataset iterators of Keras's loops: destroyed off the training thread ---------------
+
+
+def test_fits_dataset_iterators_are_destroyed_off_the_training_thread():
+    """TensorFlow's iterator destructor can wait seconds for the pipeline's autotuner (an epoch
+    started up to 36 s late with two devices): under a tfstrat strategy every iterator of `fit`
+    and its validation goes on tfstrat's release thread; stock Keras's go on the training
+    thread (the control, run first in the same process)."""
+    p = subprocess.run(
+        [PY, str(WORKERS / "iterator_release.py")],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    line = [x for x in p.stdout.splitlines() if x.startswith("RELEASE ")]
+    assert p.returncode == 0 and line, f"exit {p.returncode}\n{p.stdout}\n{p.stderr[-3000:]}"
+    report = json.loads(line[0][len("RELEASE ") :])
+    assert report["missing"] == {"stock": 0, "tfstrat": 0}, report
+    # 3 epochs of training and validation: at least 6 iterators, 3 handles each
+    assert len(report["stock"]) >= 18 and set(report["stock"]) == {"MainThread"}, report
+    assert len(report["tfstrat"]) >= 18, report
+    assert set(report["tfstrat"]) == {"tfstrat-iterator-release"}, report

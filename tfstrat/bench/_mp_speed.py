@@ -11,7 +11,10 @@ LayerNormalization, Dense dim -> 4 dim (relu) -> dim, residual and LayerNormaliz
 over the tokens, Dense to 8 classes; Adam. The split (Megatron-LM's): embedding on its feature
 axis (None, 'model'), query/key/value by heads (None, 'model', None), attention output
 ('model', None, None), up (None, 'model'), down ('model', None). TensorFlow runs without XLA
-and with its default thread pools; JAX compiles with XLA, as it always does.
+and with its default thread pools; JAX compiles with XLA, as it always does. The one-device
+TensorFlow row runs with tfstrat's Keras hooks too (`tfstrat/keras/_shuffle.py`: among them,
+each epoch's dataset iterator destroyed off the training thread, as under every tfstrat
+strategy), so the ratio between the two TensorFlow rows is the split's alone.
 """
 
 from __future__ import annotations
@@ -60,6 +63,10 @@ def _scope(config: dict):
     import contextlib
 
     mesh = config.get("mesh")
+    if not mesh and config["backend"] == "tensorflow":
+        from tfstrat.keras import _shuffle
+
+        _shuffle.seed_shuffles(set_global_seed=False)  # tfstrat's Keras hooks, as under a mesh
     if not mesh:
         return contextlib.nullcontext()
     if config["backend"] == "jax":

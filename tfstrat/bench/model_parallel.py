@@ -1,4 +1,5 @@
-"""`tfstrat bench model-parallel`: how large a Transformer fits a device, and what it moves.
+"""`tfstrat bench model-parallel`: how large a Transformer fits a device, what it moves, and
+what the split costs in speed.
 
 For a fixed budget of bytes per device (the variables and Adam's two slots; activations not
 counted), each row finds the largest Transformer of this family (by its width) whose bytes fit
@@ -7,9 +8,17 @@ on every device, under data parallelism (every variable whole on each device) an
 attention by heads, MLP column then row, logits by columns). It then trains it for a few steps
 on logical CPUs and reports the bytes each device holds, read from the devices' variables (the
 bookkeeping must agree), and the bytes each device moves per step, counted as the steps run
-(`tfstrat.mesh.collectives.Traffic`): within the model group (the layers' exchanges) and over the batch axis (the
-gradients). Step times on logical CPUs of one machine share its cores: they are not a speed
-measure, and the table says so.
+(`tfstrat.mesh.collectives.Traffic`): within the model group (the layers' exchanges) and over
+the batch axis (the gradients).
+
+The speed rows (`_mp_speed`, S-*) train one Transformer block (the size of keras.io's
+examples) for a few epochs, each row in its own process, one after another: on one device, and
+split over a (1, 2) mesh of two logical CPUs of the same cores. Two logical devices of the same
+cores cannot compute faster than one device, so what the split costs a user is the ratio of its
+examples/s to the one device's: measured against the same ratio for Keras's own
+`keras.distribution.ModelParallel` on JAX (rows added when `jax` is installed, e.g. with the
+`bench` extra). The memory rows' step times share the machine's cores the same way and are
+shown for reference only.
 """
 
 from __future__ import annotations
@@ -30,6 +39,15 @@ ROWS = [
     ("MP-1x4", "ModelParallel (1, 4)", (1, 4)),
 ]
 SLOTS = 2  # Adam's
+# (id, label, backend, mesh or None): the speed rows, each ratio to its backend's first row.
+SPEED_ROWS = [
+    ("S-TF-1", "TensorFlow, one device, no strategy", "tensorflow", None),
+    ("S-TF-MP-1x2", "tfstrat.ModelParallel (1, 2)", "tensorflow", (1, 2)),
+    ("S-JAX-1", "JAX, one device", "jax", None),
+    ("S-JAX-MP-1x2", "keras.distribution.ModelParallel (1, 2), JAX", "jax", (1, 2)),
+]
+SPEED_MODEL = dict(vocab=2048, dim=256, heads=8, seq=64, rows=2048, batch=64, epochs=5)
+SPEED_QUICK = dict(vocab=256, dim=32, heads=4, seq=8, rows=128, batch=32, epochs=2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +62,7 @@ class ModelParallelConfig:
     repeats: int = 3
     out: str = "bench-out"
     rows: tuple[str, ...] | None = None  # row ids to run (None: all)
+    speed: tuple[tuple[str, int], ...] = tuple(SPEED_MODEL.items())  # the speed rows' block
 
 
 def bytes_per_device(c: ModelParallelConfig, dim: int, parts: int) -> int:
@@ -100,7 +119,53 @@ def run(config: ModelParallelConfig) -> list[dict]:
             row.update(json.loads(found[-1][len("RESULT ") :]))
         logger.info("model-parallel %s: %s", row_id, row.get("error", "done"))
         rows.append(row)
+    rows += speed_rows(config, machine)
     _report.write(config.out, "model-parallel", rows, table(rows, config), _plot)
+    return rows
+
+
+def _has_jax() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("jax") is not None
+
+
+def speed_rows(config: ModelParallelConfig, machine: dict) -> list[dict]:
+    """The S-* rows: examples/s of epochs 2.. of `_mp_speed`, each row in its own process, and
+    each row's ratio to its backend's one-device row."""
+    rows: list[dict] = []
+    for row_id, label, backend, mesh in SPEED_ROWS:
+        if config.rows is not None and row_id not in config.rows:
+            continue
+        row = {"row": row_id, "kind": "speed", "strategy": label, "backend": backend,
+               "mesh": list(mesh) if mesh else None, "machine": machine}  # fmt: skip
+        if backend == "jax" and not _has_jax():
+            row["error"] = "jax is not installed: pip install 'tfstrat[bench]'"
+            rows.append(row)
+            continue
+        worker = {**dict(config.speed), "backend": backend, "mesh": row["mesh"]}
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-m", "tfstrat.bench._mp_speed", json.dumps(worker)],
+                capture_output=True,
+                text=True,
+                timeout=1800,
+            )
+        except subprocess.TimeoutExpired:
+            proc = subprocess.CompletedProcess([], 124, "", "Error: the row took over 1800 s")
+        found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        if proc.returncode != 0 or not found:
+            errors = [line for line in proc.stderr.splitlines() if "Error" in line]
+            row["error"] = (errors[-1] if errors else f"exit code {proc.returncode}")[-300:]
+        else:
+            row.update(json.loads(found[-1][len("RESULT ") :]))
+        logger.info("model-parallel %s: %s", row_id, row.get("error", "done"))
+        rows.append(row)
+    base = {r["backend"]: r for r in rows if r["mesh"] is None and "error" not in r}
+    for r in rows:
+        one = base.get(r["backend"])
+        if "error" not in r and one is not None:
+            r["ratio"] = r["examples_per_s"] / one["examples_per_s"]
     return rows
 
 
@@ -118,9 +183,11 @@ def table(rows, c: ModelParallelConfig) -> str:
         "MiB per device (measured)",
         "MiB moved per step per device: model axis",
         "batch axis",
-        "step s (logical CPUs: not a speed measure)",
+        "step s (logical CPUs sharing the cores)",
         "final loss",
     ]
+    speed = [r for r in rows if r.get("kind") == "speed"]
+    rows = [r for r in rows if r.get("kind") != "speed"]
     body = []
     for r in rows:
         if "error" in r:
@@ -154,14 +221,52 @@ def table(rows, c: ModelParallelConfig) -> str:
         "whole), counted by tfstrat as the timed steps ran: within the model group (the "
         "layers' exchanges) and over the batch axis (the gradients). Step times: median of "
         f"{c.repeats} timed epochs of {c.steps} steps, all devices logical CPUs of one "
-        f"machine sharing its {m.get('cpus')} CPUs: not a speed measure. Machine: "
-        f"{m.get('cpu')}, TensorFlow {m.get('tensorflow')}, Keras {m.get('keras')}."
+        f"machine sharing its {m.get('cpus')} CPUs (the speed rows below measure the "
+        f"split's cost). Machine: {m.get('cpu')}, TensorFlow {m.get('tensorflow')}, Keras "
+        f"{m.get('keras')}."
+    )
+    text = (_report.markdown(headers, body) + "\n" + note) if rows else ""
+    return text + (("\n\n" if text else "") + speed_table(speed, c) if speed else "")
+
+
+def speed_table(rows, c: ModelParallelConfig) -> str:
+    headers = ["row", "run", "examples/s (epochs 2..)", "vs its backend on one device",
+               "epoch s", "final loss", "Keras"]  # fmt: skip
+    body = []
+    for r in rows:
+        if "error" in r:
+            body.append([r["row"], r["strategy"], f"error: {r['error']}", "-", "-", "-", "-"])
+            continue
+        body.append(
+            [
+                r["row"],
+                r["strategy"],
+                f"{r['examples_per_s']:.0f}",
+                f"{r['ratio']:.2f}" if "ratio" in r else "-",
+                ", ".join(f"{t:.2f}" for t in r["epoch_s"]),
+                f"{r['loss']:.4f}",
+                r.get("backend_version", "-"),
+            ]
+        )
+    s, m = dict(c.speed), (rows[0]["machine"] if rows else {})
+    note = (
+        "\nThe split's cost: one Transformer block (Embedding "
+        f"{s['vocab']} x {s['dim']}, MultiHeadAttention {s['heads']} x "
+        f"{s['dim'] // s['heads']}, Dense {s['dim']} -> {4 * s['dim']} -> {s['dim']}, "
+        f"LayerNormalization; Adam; {s['rows']} sequences of {s['seq']} tokens in batches of "
+        f"{s['batch']}, {s['epochs']} epochs), each row in its own process, one after another. "
+        "Mesh (1, 2): two logical CPUs of the same cores, so a ratio below 1.00 is what "
+        "splitting the model costs. Layout (Megatron-LM's): embedding (None, 'model'), "
+        "query/key/value (None, 'model', None), attention output ('model', None, None), "
+        "up (None, 'model'), down ('model', None). TensorFlow without XLA, default thread "
+        "pools; JAX compiles with XLA. examples/s from the epochs after the first. Machine: "
+        f"{m.get('cpu')} ({m.get('cpus')} CPUs), TensorFlow {m.get('tensorflow')}."
     )
     return _report.markdown(headers, body) + "\n" + note
 
 
 def _plot(ax, rows):
-    ok = [r for r in rows if "error" not in r]
+    ok = [r for r in rows if "error" not in r and r.get("kind") != "speed"]
     names = [f"{r['row']} (width {r['dim']})" for r in ok]
     ax.barh(names, [r["params"] / 1e6 for r in ok], color="tab:blue")
     ax.set_xlabel("parameters (millions) within the same bytes per device")

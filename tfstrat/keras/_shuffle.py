@@ -19,7 +19,9 @@ different ones. Neither can be replayed by a relaunched run.
   `tfstrat.keras.callbacks.BackupAndRestore`) draws that epoch's first batches from its input
   without training on them, and trains on the rest: Keras's epoch loop
   (`EpochIterator._enumerate_iterator`) runs that many fewer steps, so no step is run past
-  the end of the data (a failed step can still have advanced `optimizer.iterations`).
+  the end of the data (a failed step can still have advanced `optimizer.iterations`). The
+  same loop hands each epoch's iterator to `_release`, which destroys it off the training
+  thread (TensorFlow's destructor can wait seconds for the pipeline's autotuner).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import threading
 import numpy as np
 
 from tfstrat._compat import patches
+from tfstrat.keras import _release
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +136,13 @@ def _install() -> None:
         return keras_epoch_begin(self, epoch, logs)
 
     def enumerate_iterator(self):
+        for item in _enumerate_skipping(self):
+            _release.when_dropped(item[-1])  # (once per iterator)
+            yield item
+        # Keras may have made the next epoch's iterator as this one ended.
+        _release.when_dropped(getattr(self, "_current_iterator", None))
+
+    def _enumerate_skipping(self):
         skip = clock.take_skip()
         if not skip:
             yield from keras_enumerate(self)
@@ -163,7 +173,8 @@ def _install() -> None:
         EpochIterator,
         "_enumerate_iterator",
         enumerate_iterator,
-        "BackupAndRestore resumes in the middle of an epoch: skips the batches already trained",
+        "BackupAndRestore resumes in the middle of an epoch: skips the batches already trained;"
+        " each epoch's iterator is destroyed off the training thread (_release)",
     )
     _installed = True
     logger.info("tfstrat: shuffle=True draws each epoch's order from (seed, epoch)")
