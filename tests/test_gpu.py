@@ -1,6 +1,6 @@
 """The GPU tier: MirroredNCCL over NCCL, CollectiveAllReduce with one GPU per worker over NCCL,
-Hybrid and ParameterServer computing on the workers' GPUs, and mixed precision with a forced
-overflow, against single-device training. Marked `gpu`; skipped with the reason on machines
+Hybrid and ParameterServer computing on the workers' GPUs, ModelParallel's model-axis sums over
+NCCL, and mixed precision with a forced overflow, against single-device training. Marked `gpu`; skipped with the reason on machines
 with fewer than two GPUs, run wherever TensorFlow lists two or more (`scripts/test -m gpu`).
 Not yet run on a machine with GPUs."""
 
@@ -110,3 +110,27 @@ def test_mixed_precision_skips_one_workers_overflow_on_gpus(tmp_path):
     for i in range(2):
         mine = json.loads((tmp_path / f"collective_worker_{i}.json").read_text())
         assert mine == ref, (i, mine, ref)
+
+
+@pytest.mark.parametrize("mesh", ["1x2", "2x1"])
+def test_model_parallel_sums_over_nccl_on_gpus(tmp_path, mesh):
+    """ModelParallel on a mesh of two GPUs: the layers' sums within the model group (1, 2) and
+    the step's sums over the batch axis (2, 1) are NCCL all-reduces (not copies added on each
+    GPU), and training equals one device."""
+    out = tmp_path / "result.json"
+    proc = subprocess.run(
+        [sys.executable, "model_parallel_equiv.py", "mlp", mesh, "adam-clip", str(out)],
+        cwd=WORKERS,
+        capture_output=True,
+        text=True,
+        timeout=500,
+        env={**os.environ, **FP32, "TFSTRAT_TEST_MESH_DEVICES": "gpu"},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    line = "(its sums: NCCL)" if mesh == "1x2" else "sums the batch axis in this process over NCCL"
+    assert line in proc.stderr, proc.stderr[-3000:]
+    (case,) = json.loads(out.read_text())["cases"]
+    assert case["graph"]["nccl_all_reduce"] > 0, case["graph"]
+    for key in ("weights", "slots", "predict", "evaluate"):
+        assert case[key] <= TOLERANCE, (key, case[key])
+    assert all("GPU" in device for _, _, parts in case["held"] for device, _ in parts), case

@@ -86,6 +86,9 @@ def test_mlp_on_every_mesh_with_checkpoints(tmp_path):
     # It resumed: it trained epoch 1 only (a restart from scratch ends at the same weights).
     assert result["resumed_epochs"] == [1], result["resumed_epochs"]
     assert "up (Dense): kernel (12, 16) split on dimension 1, bias (16,) split" in err
+    # Logical CPUs: the model group's sums are device copies, no NCCL op in the step.
+    assert "model axis 'model' (its sums: device copies)" in err, err[-3000:]
+    assert all(c["graph"]["nccl_all_reduce"] == 0 for c in result["cases"]), result["cases"]
     assert "column-parallel" in err and "down (Dense): kernel (16, 12) split on dimension 0" in err
 
 
@@ -214,3 +217,56 @@ def test_layouts_it_cannot_apply_are_named_before_the_first_step(tmp_path):
     assert r["lazy_diff"] <= TOLERANCE
     assert r["rows_counted"] == [20.0, 20.0]  # each slice of the batch counted once
     assert r["two_inputs_predict"][0] == [10, 2] and r["two_inputs_predict"][1] <= TOLERANCE
+
+
+# --- how a model group sums: NCCL among GPUs, device copies elsewhere -----------------------
+
+GPUS = ["/device:GPU:0", "/device:GPU:1"]
+CPUS = ["/device:CPU:0", "/device:CPU:1"]
+
+
+@pytest.mark.parametrize(
+    "devices, cuda, virtual, expected",
+    [
+        (GPUS, True, False, "nccl"),  # GPUs NCCL can join: one all-reduce per group
+        ([f"/job:worker/replica:0/task:1/device:GPU:{i}" for i in range(4)], True, False, "nccl"),
+        (CPUS, True, False, "copies"),  # logical CPUs: a collective costs more than copies
+        (GPUS, False, False, "copies"),  # a build without CUDA
+        (GPUS, True, True, "copies"),  # virtual GPUs: NCCL refuses two ranks on one card
+        (["/device:GPU:0", "/device:CPU:0"], True, False, "copies"),  # mixed
+        (["/device:GPU:0"], True, False, "copies"),  # one device: nothing to sum
+    ],
+)
+def test_model_exchange_is_nccl_exactly_where_nccl_can_run(devices, cuda, virtual, expected):
+    from tfstrat.mesh.collectives import model_exchange
+
+    assert model_exchange(devices, cuda, virtual) == expected
+
+
+@pytest.mark.parametrize("shape", [(1, 2), (2, 2), (1, 4), (4, 1)])
+def test_each_model_group_sums_once_and_each_member_gets_its_groups_result(shape):
+    """`over_model_groups` calls the all-reduce once per model group, with the group's parts
+    in model order, and hands each replica its own group's result (what NCCL's all_sum
+    returns: one output per input, on its device)."""
+    import tfstrat
+    from tfstrat.mesh.collectives import over_model_groups
+    from tfstrat.mesh.layout import Mesh
+
+    n = shape[0] * shape[1]
+    devices = [f"/device:CPU:{i}" for i in range(n)]
+    mesh = Mesh.of(tfstrat.DeviceMesh(shape, ["batch", "model"], devices=devices), "batch")
+    calls = []
+
+    def all_sum(parts):
+        calls.append(list(parts))
+        return [("sum", tuple(parts), k) for k in range(len(parts))]
+
+    out = over_model_groups([f"part {r}" for r in mesh.local], mesh, all_sum)
+    assert len(calls) == shape[0]  # one per batch coordinate: the model groups
+    for r in mesh.local:
+        group = mesh.model_group(r)
+        assert out[mesh.position(r)] == (
+            "sum",
+            tuple(f"part {g}" for g in group),
+            group.index(r),
+        )

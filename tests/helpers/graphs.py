@@ -1,5 +1,6 @@
 """What a model's traced training step holds, read from its graph: which TensorFlow collectives
-it runs (and over what: "ring", "nccl") and where its gradient ops are placed."""
+it runs (and over what: "ring", "nccl"; NCCL all-reduces among one process's GPUs) and where its
+gradient ops are placed."""
 
 from __future__ import annotations
 
@@ -45,4 +46,5 @@ def summary(model) -> dict:
         if n.op.startswith("CollectiveReduce") and "communication_hint" in n.attr
     )
     devices = {n.device for n in nodes if "gradient" in n.name.lower() and n.device}
-    return {"hints": dict(hints), "gradient_devices": sorted(devices)}
+    nccl = sum(n.op == "NcclAllReduce" for n in nodes)  # ModelParallel's model-axis sums
+    return {"hints": dict(hints), "gradient_devices": sorted(devices), "nccl_all_reduce": nccl}

@@ -1,4 +1,5 @@
-"""ModelParallel against single-device training, on logical CPU devices.
+"""ModelParallel against single-device training, on logical CPU devices (on GPUs with
+TFSTRAT_TEST_MESH_DEVICES=gpu: the GPU tier).
 
 Usage: python model_parallel_equiv.py MODEL MESHES OPTIMIZERS OUT.json [--checkpoints]
   MODEL: mlp | transformer | llama; MESHES: e.g. "1x2,2x1,2x2"; OPTIMIZERS: e.g. "sgd,adam".
@@ -31,9 +32,12 @@ if ON_WORKERS:  # the mesh's devices over the workers: as many on each
     _workers = len(_cluster.get("chief", [])) + len(_cluster.get("worker", []))
     _size = int(np.prod([int(n) for n in sys.argv[2].split("x")]))
     tfstrat.split_cpu(_size // _workers)
+elif os.environ.get("TFSTRAT_TEST_MESH_DEVICES") == "gpu":  # the GPU tier: the mesh on GPUs
+    pass
 else:
     tfstrat.split_cpu(4)
 
+import graphs  # noqa: E402
 import keras  # noqa: E402
 
 MODEL, MESHES, OPTIMIZERS, OUT = sys.argv[1:5]
@@ -130,7 +134,8 @@ def strategy_for(shape):
     if ON_WORKERS:  # every worker's devices, by rank
         mesh = tfstrat.DeviceMesh(shape, ["batch", "model"])
     else:
-        devices = [f"/device:CPU:{i}" for i in range(int(np.prod(shape)))]
+        kind = "GPU" if os.environ.get("TFSTRAT_TEST_MESH_DEVICES") == "gpu" else "CPU"
+        devices = [f"/device:{kind}:{i}" for i in range(int(np.prod(shape)))]
         mesh = tfstrat.DeviceMesh(shape, ["batch", "model"], devices=devices)
     return tfstrat.ModelParallel(layout_map=layout_map(mesh), batch_dim_name="batch")
 
@@ -190,6 +195,7 @@ for opt in OPTIMIZERS.split(","):
                 ),
                 "evaluate": abs(ref_loss - model.evaluate(x, y, batch_size=BATCH, verbose=0)[0]),
                 "held": held(model),
+                "graph": graphs.summary(model),
                 "digest": hashlib.sha1(
                     b"".join(np.asarray(w).tobytes() for w in model.get_weights())
                 ).hexdigest(),

@@ -11,6 +11,7 @@ What each is for:
 - `random_seed`: the global seed Keras's array shuffling reads.
 - `gen_resource_variable_ops`, `handle_data_util`, `resource_variable_ops`: variables placed
   on a ps task.
+- `nccl_ops`: NCCL all-reduces among one process's GPUs (ModelParallel's model-axis sums).
 - `nest`: TensorFlow's structure utilities, as the strategies it extends use them.
 - `in_control_flow()`: whether ops made now go into a loop's body or a cond's branch (a graph's
   private `is_control_flow_graph`), where a MirroredStrategy `merge_call` cannot run.
@@ -31,6 +32,7 @@ from tensorflow.python.framework import random_seed  # noqa: F401
 from tensorflow.python.ops import (  # noqa: F401
     gen_resource_variable_ops,
     handle_data_util,
+    nccl_ops,
     resource_variable_ops,
 )
 from tensorflow.python.util import nest  # noqa: F401

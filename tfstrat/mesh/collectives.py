@@ -22,9 +22,11 @@ program on its own parts (SPMD). Two groups matter:
   it): `DataAxisReduce`, the strategy's cross-device reduction.
 
 Both are built in the step's graph from `merge_call` (the replicas' values meet in TensorFlow's
-cross-replica context): each device sums or concatenates its group's values in a fixed order
-(every device of a group gets bit-identical results), and TensorFlow moves the tensors between
-the devices of this process.
+cross-replica context). A model group's sum is one NCCL all-reduce when its devices are GPUs
+NCCL can join (`model_exchange`: the rule MirroredNCCL's gradients follow); elsewhere (logical
+CPUs, where a TensorFlow collective costs about 1.4 ms a call) each device adds its group's
+copies in a fixed order, and TensorFlow moves the tensors between the devices of this process.
+Either way every device of a group gets bit-identical results. Concatenations are copies.
 """
 
 from __future__ import annotations
@@ -66,6 +68,19 @@ class Traffic:
             self.counters[kind].assign_add(nbytes)
 
 
+def model_exchange(devices, cuda_build: bool, virtual_gpus: bool = False) -> str:
+    """How a model group over `devices` sums: "nccl" (one NcclAllReduce, each device its
+    result) where `transport.choose` would carry a gradient all-reduce over NCCL, else "copies"
+    (each device adds the group's copies). One decision from the device names and the build,
+    so every case is tested on literal device lists."""
+    from tfstrat.strategies import transport
+
+    if len(devices) < 2:
+        return "copies"
+    kind = transport.choose("auto", devices, 1, cuda_build, virtual_gpus).kind
+    return "nccl" if kind == "nccl" else "copies"
+
+
 def _traffic() -> Traffic | None:
     ops = getattr(tf.distribute.get_strategy().extended, "_cross_device_ops", None)
     return getattr(ops, "traffic", None)
@@ -94,6 +109,30 @@ def _over_model_group(x, combine):
     return context.merge_call(merge, args=(x,))
 
 
+def over_model_groups(parts: list, mesh: Mesh, all_sum) -> list:
+    """`all_sum(the group's parts)` once per model group of this process's replicas (`parts`
+    by position, one per replica); each replica gets its own result, in place."""
+    out: list = [None] * len(parts)
+    for k, replica in enumerate(mesh.local):
+        if out[k] is None:
+            members = [mesh.position(g) for g in mesh.model_group(replica)]
+            for m, total in zip(members, all_sum([parts[m] for m in members])):
+                out[m] = total
+    return out
+
+
+def _nccl_sum(x):
+    """The sum over each model group, one NCCL all-reduce per group."""
+    from tfstrat._compat.tf import nccl_ops
+
+    mesh = _mesh()
+
+    def merge(strategy, value):
+        return tf_values.PerReplica(over_model_groups(list(value.values), mesh, nccl_ops.all_sum))
+
+    return tf.distribute.get_replica_context().merge_call(merge, args=(x,))
+
+
 def _record(x, factor: float) -> None:
     traffic, mesh = _traffic(), _mesh()
     context = tf.distribute.get_replica_context()
@@ -104,7 +143,13 @@ def _record(x, factor: float) -> None:
 def _sum(x):
     n = model_size()
     _record(x, 2 * (n - 1) / n)
+    if n > 1 and getattr(_extended(), "_tfstrat_model_exchange", "copies") == "nccl":
+        return _nccl_sum(x)
     return _over_model_group(x, lambda _, parts: tf.add_n([tf.identity(p) for p in parts]))
+
+
+def _extended():
+    return tf.distribute.get_strategy().extended
 
 
 def model_sum(x):
@@ -201,6 +246,9 @@ class DataAxisReduce(tf.distribute.CrossDeviceOps):
         self.ring = ring
         self.traffic = Traffic()
         self._ring_calls = RingCalls()
+        # "nccl": in one process, a data group of GPUs sums dense values in one NCCL
+        # all-reduce (set by the strategy, `model_exchange` of a data group's devices).
+        self.exchange = "copies"
 
     @property
     def _num_between_graph_workers(self):
@@ -244,8 +292,31 @@ class DataAxisReduce(tf.distribute.CrossDeviceOps):
                 out.append(_scale(total, mesh.data_size) if mean else total)
         return tf_values.PerReplica(out)  # one value per model coordinate
 
+    def _nccl_sums(self, reduce_op, value):
+        """Each device its data group's sum, one NCCL all-reduce per group (one process)."""
+        from tfstrat._compat.tf import nccl_ops
+
+        parts, mesh = self._parts(value), self.mesh
+        n = mesh.data_size
+        if n > 1:
+            self.traffic.add("batch axis", parts[0], 2 * (n - 1) / n)
+        out: list = [None] * len(parts)
+        for m in sorted({mesh.model_index(r) for r in mesh.local}):
+            members = [k for k, r in enumerate(mesh.local) if mesh.model_index(r) == m]
+            for k, total in zip(members, nccl_ops.all_sum([parts[k] for k in members])):
+                mean = reduce_op == tf.distribute.ReduceOp.MEAN
+                out[k] = _scale(total, n) if mean else total
+        return tf_values.PerReplica(out)
+
     def _reduce(self, reduce_op, value, destinations):
         if self._to_every_device(destinations):
+            parts = self._parts(value)
+            floats = all(  # NCCL's kind of value: dense, floating point
+                not isinstance(p, tf.IndexedSlices) and tf.as_dtype(p.dtype).is_floating
+                for p in parts
+            )
+            if self.exchange == "nccl" and self.ring is None and floats and len(parts) > 1:
+                return self._nccl_sums(reduce_op, value)
             coordinates, sums = self._local_sums(value)
             return self._spread(reduce_op, coordinates, self._across_workers(sums))
         from tfstrat._compat.tf import cross_device_ops

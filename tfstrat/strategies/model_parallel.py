@@ -220,6 +220,11 @@ class _OnMesh:
                 len(mesh.devices),
             )
         self.extended._tfstrat_mesh = mesh
+        self.extended._tfstrat_model_exchange = _exchange(mesh, mesh.model_group(mesh.local[0]))
+        ops = getattr(self.extended, "_cross_device_ops", None)
+        if hasattr(ops, "exchange"):  # the batch axis's sums in this process
+            first = mesh.model_index(mesh.local[0])
+            ops.exchange = _exchange(mesh, [r for r in mesh.local if mesh.model_index(r) == first])
         self.mesh = mesh
         self.layout_map = layout_map if layout_map is not None else {}
         self.planned: dict[str, str | None] = {}  # variable path -> its start-up line
@@ -227,14 +232,17 @@ class _OnMesh:
         _plan_keras_variables()
         logger.info(
             "tfstrat: ModelParallel over a mesh %s (%s), %d replica(s) here %s; batch axis "
-            "%r, model axis %r",
+            "%r, model axis %r (its sums: %s)",
             mesh.shape,
             ", ".join(mesh.axis_names),
             len(mesh.local),
             list(mesh.local_devices),
             mesh.batch_axis,
             mesh.model_axis,
+            "NCCL" if self.extended._tfstrat_model_exchange == "nccl" else "device copies",
         )
+        if getattr(ops, "exchange", None) == "nccl":
+            logger.info("tfstrat: ModelParallel sums the batch axis in this process over NCCL")
 
     # -- variables ------------------------------------------------------------------------
 
@@ -510,3 +518,13 @@ def _task_prefixes(tf_config) -> list[str]:
         for job in ("chief", "worker")
         for i in range(len(tf_config.addresses(job)))
     ]
+
+
+def _exchange(mesh, replicas) -> str:
+    """`collectives.model_exchange` for a group of this process's `replicas`."""
+    from tfstrat.mesh.collectives import model_exchange
+    from tfstrat.strategies import transport
+
+    group = [mesh.local_devices[mesh.position(r)] for r in replicas]
+    cuda = bool(tf.sysconfig.get_build_info().get("is_cuda_build", False))
+    return model_exchange(group, cuda, transport.replica_devices(None)[1])
