@@ -238,7 +238,7 @@ CPUS = ["/device:CPU:0", "/device:CPU:1"]
     ],
 )
 def test_model_exchange_is_nccl_exactly_where_nccl_can_run(devices, cuda, virtual, expected):
-    from tfstrat.mesh.collectives import model_exchange
+    from tfstrat.strategies.model_parallel import model_exchange
 
     assert model_exchange(devices, cuda, virtual) == expected
 

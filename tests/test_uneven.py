@@ -76,6 +76,17 @@ def test_mirrored_on_2_and_4_devices_equals_single_device(runs):
         _check(np.load(runs / f"mirrored_{n}.npz"), ref, f"mirrored {n}")
 
 
+@pytest.mark.timeout(1200)
+def test_model_parallel_on_4x1_and_2x2_meshes_equals_single_device(runs, tmp_path):
+    """The batch axis's slices uneven and empty (25 rows over 4 coordinates: 7/6/6/6, the last
+    2 rows leave 2 empty; over 2: 13/12) while the model axis splits the MLP pair and the
+    table's columns."""
+    run_script("uneven_equiv.py", str(tmp_path), "model_parallel", timeout=1100)
+    ref = np.load(runs / "reference.npz")
+    for shape in ("4x1", "2x2"):
+        _check(np.load(tmp_path / f"model_parallel_{shape}.npz"), ref, f"ModelParallel {shape}")
+
+
 def _check_cluster(runs, tmp_path, mode, workers, ps=0, names=("sgdm", "adam"), logs=True):
     code, out = launch_script("uneven_equiv.py", str(tmp_path), mode, workers=workers, ps=ps)
     assert code == 0, out[-6000:]

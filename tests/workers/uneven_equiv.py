@@ -3,6 +3,9 @@
 Usage:
     python uneven_equiv.py OUT mirrored     one process: MirroredNCCL over 2 and 4 logical
                                             CPUs (OUT/mirrored_<N>.npz)
+    python uneven_equiv.py OUT model_parallel  one process: ModelParallel on meshes (4, 1)
+                                            and (2, 2) of 4 logical CPUs, the MLP split
+                                            (OUT/model_parallel_<B>x<M>.npz)
     python uneven_equiv.py OUT reference    the single-device reference (OUT/reference.npz)
     python uneven_equiv.py OUT collective   a CollectiveAllReduce worker (`tfstrat launch`)
     python uneven_equiv.py OUT hybrid       a Hybrid worker (`tfstrat launch --ps 1`): also the
@@ -27,7 +30,9 @@ import numpy as np
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
-parser.add_argument("mode", choices=["reference", "mirrored", "collective", "hybrid", "ps_sync"])
+parser.add_argument(
+    "mode", choices=["reference", "mirrored", "model_parallel", "collective", "hybrid", "ps_sync"]
+)
 parser.add_argument("--batches", default="25,30,31")
 args = parser.parse_args()
 BATCHES = [int(b) for b in args.batches.split(",")]
@@ -52,6 +57,7 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from common import CLASSES, SEQ, VOCAB, data, optimizer  # noqa: E402
 
+DEVICES = [f"/device:CPU:{i}" for i in range(4)]  # the logical CPUs of one-process modes
 x, y = data(EXAMPLES)
 sample_weight = np.random.default_rng(1).uniform(0.2, 2.0, EXAMPLES).astype("float32")
 
@@ -73,8 +79,8 @@ def build(regularized: bool, table: bool = False):
     h = keras.layers.Conv1D(8, 3, activation="relu")(h)
     h = keras.layers.Flatten()(h)
     reg = keras.regularizers.L2(1e-2) if regularized else None
-    h = keras.layers.Dense(16, activation="relu", kernel_regularizer=reg)(h)
-    return keras.Model(inputs, keras.layers.Dense(CLASSES)(h))
+    h = keras.layers.Dense(16, activation="relu", kernel_regularizer=reg, name="hidden")(h)
+    return keras.Model(inputs, keras.layers.Dense(CLASSES, name="logits")(h))
 
 
 class StepLogs(keras.callbacks.Callback):
@@ -159,11 +165,22 @@ def train(strategy, reference: bool, models=PLAIN) -> dict:
 if args.mode == "reference":
     np.savez(os.path.join(args.out, "reference.npz"), **train(None, True, ALL))
 elif args.mode == "mirrored":
-    devices = [d.name for d in tf.config.list_logical_devices("CPU")]
     for n in (2, 4):
-        strategy = tfstrat.MirroredNCCL(devices=devices[:n], timeout=60)
+        strategy = tfstrat.MirroredNCCL(devices=DEVICES[:n], timeout=60)
         np.savez(os.path.join(args.out, f"mirrored_{n}.npz"), **train(strategy, reference=False))
         print("done mirrored", n, flush=True)
+elif args.mode == "model_parallel":
+    for shape in ((4, 1), (2, 2)):
+        mesh = tfstrat.DeviceMesh(shape, ["batch", "model"], devices=DEVICES[: shape[0] * shape[1]])
+        layout = tfstrat.LayoutMap(mesh)  # Megatron's MLP pair; the table by its columns
+        layout["embedding.*/embeddings"] = (None, "model")
+        layout["hidden/kernel"] = (None, "model")
+        layout["hidden/bias"] = ("model",)
+        layout["logits/kernel"] = ("model", None)
+        strategy = tfstrat.ModelParallel(layout_map=layout, batch_dim_name="batch")
+        name = f"model_parallel_{shape[0]}x{shape[1]}"
+        np.savez(os.path.join(args.out, f"{name}.npz"), **train(strategy, reference=False))
+        print("done", name, flush=True)
 else:
     task = os.environ["TFSTRAT_TASK"].replace(":", "_")
     models = ALL if args.mode == "hybrid" else PLAIN

@@ -23,7 +23,8 @@ program on its own parts (SPMD). Two groups matter:
 
 Both are built in the step's graph from `merge_call` (the replicas' values meet in TensorFlow's
 cross-replica context). A model group's sum is one NCCL all-reduce when its devices are GPUs
-NCCL can join (`model_exchange`: the rule MirroredNCCL's gradients follow); elsewhere (logical
+NCCL can join (`strategies.model_parallel.model_exchange`: the rule MirroredNCCL's gradients
+follow); elsewhere (logical
 CPUs, where a TensorFlow collective costs about 1.4 ms a call) each device adds its group's
 copies in a fixed order, and TensorFlow moves the tensors between the devices of this process.
 Either way every device of a group gets bit-identical results. Concatenations are copies.
@@ -66,19 +67,6 @@ class Traffic:
         nbytes = tf.cast(tf.size(x), tf.float64) * (x.dtype.size * factor)
         with tf.device("/device:CPU:0"):
             self.counters[kind].assign_add(nbytes)
-
-
-def model_exchange(devices, cuda_build: bool, virtual_gpus: bool = False) -> str:
-    """How a model group over `devices` sums: "nccl" (one NcclAllReduce, each device its
-    result) where `transport.choose` would carry a gradient all-reduce over NCCL, else "copies"
-    (each device adds the group's copies). One decision from the device names and the build,
-    so every case is tested on literal device lists."""
-    from tfstrat.strategies import transport
-
-    if len(devices) < 2:
-        return "copies"
-    kind = transport.choose("auto", devices, 1, cuda_build, virtual_gpus).kind
-    return "nccl" if kind == "nccl" else "copies"
 
 
 def _traffic() -> Traffic | None:
@@ -247,7 +235,7 @@ class DataAxisReduce(tf.distribute.CrossDeviceOps):
         self.traffic = Traffic()
         self._ring_calls = RingCalls()
         # "nccl": in one process, a data group of GPUs sums dense values in one NCCL
-        # all-reduce (set by the strategy, `model_exchange` of a data group's devices).
+        # all-reduce (set by the strategy from a data group's devices).
         self.exchange = "copies"
 
     @property

@@ -520,9 +520,21 @@ def _task_prefixes(tf_config) -> list[str]:
     ]
 
 
+def model_exchange(devices, cuda_build: bool, virtual_gpus: bool = False) -> str:
+    """How a group of a mesh's devices sums: "nccl" (one NcclAllReduce, each device its result)
+    where `transport.choose` would carry a gradient all-reduce over NCCL, else "copies" (each
+    device adds the group's copies). One decision from the device names and the build, so
+    every case is tested on literal device lists."""
+    from tfstrat.strategies import transport
+
+    if len(devices) < 2:
+        return "copies"
+    kind = transport.choose("auto", devices, 1, cuda_build, virtual_gpus).kind
+    return "nccl" if kind == "nccl" else "copies"
+
+
 def _exchange(mesh, replicas) -> str:
-    """`collectives.model_exchange` for a group of this process's `replicas`."""
-    from tfstrat.mesh.collectives import model_exchange
+    """`model_exchange` for a group of this process's `replicas`."""
     from tfstrat.strategies import transport
 
     group = [mesh.local_devices[mesh.position(r)] for r in replicas]
