@@ -5,7 +5,8 @@ Usage:
                                             CPUs (OUT/mirrored_<N>.npz)
     python uneven_equiv.py OUT model_parallel  one process: ModelParallel on meshes (4, 1)
                                             and (2, 2) of 4 logical CPUs, the MLP split
-                                            (OUT/model_parallel_<B>x<M>.npz)
+                                            (OUT/model_parallel_<B>x<M>.npz), and its
+                                            reference (OUT/model_parallel_reference.npz)
     python uneven_equiv.py OUT reference    the single-device reference (OUT/reference.npz)
     python uneven_equiv.py OUT collective   a CollectiveAllReduce worker (`tfstrat launch`)
     python uneven_equiv.py OUT hybrid       a Hybrid worker (`tfstrat launch --ps 1`): also the
@@ -170,6 +171,11 @@ elif args.mode == "mirrored":
         np.savez(os.path.join(args.out, f"mirrored_{n}.npz"), **train(strategy, reference=False))
         print("done mirrored", n, flush=True)
 elif args.mode == "model_parallel":
+    # ModelParallel concatenates the data group's row gradients, as one device's gradient of
+    # the whole batch holds them: Keras's own sparse Adam then steps as on one device (the
+    # other strategies deduplicate rows: the dense rule, `reference`'s). Its reference is one
+    # device with Keras's optimizers as they are.
+    np.savez(os.path.join(args.out, "model_parallel_reference.npz"), **train(None, False))
     for shape in ((4, 1), (2, 2)):
         mesh = tfstrat.DeviceMesh(shape, ["batch", "model"], devices=DEVICES[: shape[0] * shape[1]])
         layout = tfstrat.LayoutMap(mesh)  # Megatron's MLP pair; the table by its columns

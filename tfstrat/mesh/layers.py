@@ -312,6 +312,27 @@ def _keeps_call(layer, base) -> bool:
     return False
 
 
+class ModelGroupPenalty:
+    """A split variable's regularizer: inside a step each device computes the penalty of its
+    part, summed over the model group (`collectives.reduce`: the whole variable's penalty in
+    the loss Keras reports, each part's gradient its own). Exact for penalties that add over
+    elements (L1, L2); one that couples elements across parts would see only its part."""
+
+    def __init__(self, regularizer):
+        self.regularizer = regularizer
+
+    def __call__(self, x):
+        penalty = self.regularizer(x)
+        if tf.distribute.in_cross_replica_context() or not tf.distribute.has_strategy():
+            return penalty  # read whole
+        if collectives.model_size() > 1:
+            return collectives.reduce(penalty)
+        return penalty
+
+    def get_config(self):
+        return self.regularizer.get_config()
+
+
 def install_split(layer, strategy) -> str | None:
     """Gives `layer`, if it owns a split variable, its call on the parts (once); returns its
     start-up line. Run as soon as a layer is built (`Layer._maybe_build`), so that even the
@@ -328,6 +349,11 @@ def install_split(layer, strategy) -> str | None:
                 f"constraint ({type(v.constraint).__name__}), which Keras applies to the whole "
                 "variable: leave it unsplit, or drop the constraint."
             )
+    for v in sharded:
+        if getattr(v, "regularizer", None) is not None and not isinstance(
+            v.regularizer, ModelGroupPenalty
+        ):
+            v.regularizer = ModelGroupPenalty(v.regularizer)
     original = layer.call
     kind, call = _choose(layer)
     if kind in ("row", "column"):
