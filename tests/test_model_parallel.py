@@ -16,7 +16,12 @@ from paths import WORKERS
 
 TOLERANCE = 1e-5
 MESHES = "1x2,2x1,2x2"
-STEPS = {"mlp": 12, "transformer": 8, "llama": 8}  # 44 or 28 rows, batches of 8, 2 epochs
+STEPS = {
+    "mlp": 12,
+    "transformer": 8,
+    "llama": 8,
+    "qwen": 8,
+}  # 44 or 28 rows, batches of 8, 2 epochs
 
 
 @pytest.fixture
@@ -54,7 +59,9 @@ def _check(result, meshes, optimizers, steps, devices_here=None):
         assert case["weights"] <= TOLERANCE, (name, case["weights"])
         assert case["slots"] <= TOLERANCE, (name, case["slots"])
         assert case["iterations"] == steps, name
-        assert case["predict"] <= TOLERANCE, (name, case["predict"])
+        # float32 outputs: within 1e-5 of the reference's largest (logits of 10 carry 1e-6)
+        scale = max(1.0, case["predict_scale"])
+        assert case["predict"] <= TOLERANCE * scale, (name, case["predict"], scale)
         assert case["evaluate"] <= TOLERANCE, (name, case["evaluate"])
         model_axis = int(case["mesh"].split("x")[1])
         if model_axis == 1:
@@ -103,14 +110,15 @@ def test_transformer_block_on_a_2x2_mesh(tmp_path):
     assert "attention/query (EinsumDense)" in err and "vocabulary-parallel lookup" in err
 
 
-@pytest.mark.matrix
-@pytest.mark.usefixtures("matrix_only")
 @pytest.mark.timeout(600)
 def test_keras_hub_llama_with_its_own_layout_map(tmp_path):
-    """keras-hub's LlamaBackbone.get_layout_map, unchanged: its batch-axis entries keep those
-    dimensions whole, its model-axis ones split."""
-    result, err = _run(tmp_path, "llama", "1x2", "adam")
-    _check(result, "1x2", "adam", steps=STEPS["llama"])
+    """keras-hub's LlamaBackbone (built from config) under its own get_layout_map, unchanged,
+    on (1, 2) and (2, 2): the batch-axis entries keep those dimensions whole (named at start),
+    the model-axis ones split. (Qwen's: the matrix; Gemma's map splits the attention heads its
+    call reshapes by the configured count: not yet supported.)"""
+    model = "llama"
+    result, err = _run(tmp_path, model, "1x2,2x2", "adam")
+    _check(result, "1x2,2x2", "adam", steps=STEPS[model])
     assert "kept whole over that axis" in err
     assert "feedforward_gate_dense (Dense)" in err and "row-parallel" in err
 
@@ -118,7 +126,7 @@ def test_keras_hub_llama_with_its_own_layout_map(tmp_path):
 @pytest.mark.matrix
 @pytest.mark.usefixtures("matrix_only")
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("model", ["mlp", "transformer", "llama"])
+@pytest.mark.parametrize("model", ["mlp", "transformer", "llama", "qwen"])
 def test_every_mesh_and_optimizer(model, tmp_path):
     result, _ = _run(tmp_path, model, MESHES, "sgd,adam", timeout=840)
     _check(result, MESHES, "sgd,adam", steps=STEPS[model])

@@ -2,7 +2,8 @@
 TFSTRAT_TEST_MESH_DEVICES=gpu: the GPU tier).
 
 Usage: python model_parallel_equiv.py MODEL MESHES OPTIMIZERS OUT.json [--checkpoints]
-  MODEL: mlp | transformer | llama; MESHES: e.g. "1x2,2x1,2x2"; OPTIMIZERS: e.g. "sgd,adam".
+  MODEL: mlp | transformer | llama | gemma | qwen (keras-hub's, under their own layout maps);
+  MESHES: e.g. "1x2,2x1,2x2"; OPTIMIZERS: e.g. "sgd,adam".
   Under `tfstrat launch --workers 2` (TF_CONFIG set): MESHES is one mesh over every worker's
   devices (the CPU split alike on each), created first, and each worker writes OUT.<rank>.
 
@@ -41,6 +42,15 @@ import graphs  # noqa: E402
 import keras  # noqa: E402
 
 MODEL, MESHES, OPTIMIZERS, OUT = sys.argv[1:5]
+HUB = {}  # keras-hub's backbones with a get_layout_map, built from config: class, LM, arguments
+if MODEL in ("llama", "gemma", "qwen"):
+    import keras_hub
+
+    HUB = {
+        "llama": (keras_hub.models.LlamaBackbone, keras_hub.models.LlamaCausalLM, {}),
+        "gemma": (keras_hub.models.GemmaBackbone, keras_hub.models.GemmaCausalLM, {"head_dim": 4}),
+        "qwen": (keras_hub.models.QwenBackbone, keras_hub.models.QwenCausalLM, {}),
+    }
 CHECKPOINTS = "--checkpoints" in sys.argv
 BATCH, EPOCHS = 8, 2
 
@@ -62,7 +72,7 @@ def data():
         return x, rng.integers(0, 4, size=(44,))
     ids = rng.integers(1, 48, size=(28, 8)).astype("int32")
     y = np.roll(ids, -1, axis=1)
-    if MODEL == "llama":
+    if MODEL in HUB:
         return {"token_ids": ids, "padding_mask": np.ones_like(ids, dtype=bool)}, y
     return ids, y
 
@@ -86,9 +96,8 @@ def build(opt):
         x = keras.layers.LayerNormalization(name="norm2")(x + f)
         model = keras.Model(ids, keras.layers.Dense(vocab, name="logits")(x))
     else:
-        import keras_hub
-
-        backbone = keras_hub.models.LlamaBackbone(
+        backbone_class, lm_class, extra = HUB[MODEL]
+        backbone = backbone_class(
             vocabulary_size=48,
             num_layers=2,
             num_query_heads=4,
@@ -96,8 +105,9 @@ def build(opt):
             intermediate_dim=32,
             num_key_value_heads=2,
             dropout=0,
+            **extra,
         )
-        model = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+        model = lm_class(backbone=backbone, preprocessor=None)
     model.compile(
         optimizer=optimizer(opt),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -107,10 +117,8 @@ def build(opt):
 
 
 def layout_map(mesh):
-    if MODEL == "llama":
-        import keras_hub
-
-        return keras_hub.models.LlamaBackbone.get_layout_map(
+    if MODEL in HUB:  # the backbone's own layout map (keras-hub's FSDP entries included)
+        return HUB[MODEL][0].get_layout_map(
             mesh, model_parallel_dim_name="model", data_parallel_dim_name="batch"
         )
     layout = tfstrat.LayoutMap(mesh)
@@ -193,6 +201,7 @@ for opt in OPTIMIZERS.split(","):
                 "predict": float(
                     np.max(np.abs(ref_predict - model.predict(x, batch_size=BATCH, verbose=0)))
                 ),
+                "predict_scale": float(np.max(np.abs(ref_predict))),
                 "evaluate": abs(ref_loss - model.evaluate(x, y, batch_size=BATCH, verbose=0)[0]),
                 "held": held(model),
                 "graph": graphs.summary(model),
