@@ -114,9 +114,9 @@ def test_transformer_block_on_a_2x2_mesh(tmp_path):
 def test_keras_hub_llama_with_its_own_layout_map(tmp_path):
     """keras-hub's LlamaBackbone (built from config) under its own get_layout_map, unchanged,
     on (1, 2) and (2, 2): the batch-axis entries keep those dimensions whole (named at start),
-    the model-axis ones split. (Qwen trains alike, but its predict differs by 1.4e-5 on (1, 2);
-    Gemma's map splits the attention heads its
-    call reshapes by the configured count: not yet supported.)"""
+    the model-axis ones split. (Qwen trains alike, but its predict differs by 1.4e-5 on
+    (1, 2); Gemma's map splits the attention heads its call reshapes by the configured count:
+    not yet supported.)"""
     model = "llama"
     result, err = _run(tmp_path, model, "1x2,2x2", "adam")
     _check(result, "1x2,2x2", "adam", steps=STEPS[model])
