@@ -93,15 +93,6 @@ def run(config: ModelParallelConfig) -> list[dict]:
         worker = {**dataclasses.asdict(config), "mesh": list(mesh), "dim": dim}
         for key in ("out", "budget_mib", "rows"):
             worker.pop(key)
-        try:
-            proc = subprocess.run(
-                [sys.executable, "-m", WORKER, json.dumps(worker)],
-                capture_output=True,
-                text=True,
-                timeout=1800,
-            )
-        except subprocess.TimeoutExpired:
-            proc = subprocess.CompletedProcess([], 124, "", "Error: the row took over 1800 s")
         row = {
             "row": row_id,
             "strategy": label,
@@ -111,17 +102,31 @@ def run(config: ModelParallelConfig) -> list[dict]:
             "bookkeeping_bytes": bytes_per_device(config, dim, parts),
             "machine": machine,
         }
-        found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-        if proc.returncode != 0 or not found:
-            errors = [line for line in proc.stderr.splitlines() if "Error" in line]
-            row["error"] = (errors[-1] if errors else f"exit code {proc.returncode}")[-300:]
-        else:
-            row.update(json.loads(found[-1][len("RESULT ") :]))
-        logger.info("model-parallel %s: %s", row_id, row.get("error", "done"))
-        rows.append(row)
+        rows.append(_measure(row, WORKER, worker))
     rows += speed_rows(config, machine)
     _report.write(config.out, "model-parallel", rows, table(rows, config), _plot)
     return rows
+
+
+def _measure(row: dict, module: str, worker: dict) -> dict:
+    """`row` with what `python -m module WORKER-JSON` printed on its RESULT line, or "error"."""
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", module, json.dumps(worker)],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
+    except subprocess.TimeoutExpired:
+        proc = subprocess.CompletedProcess([], 124, "", "Error: the row took over 1800 s")
+    found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not found:
+        errors = [line for line in proc.stderr.splitlines() if "Error" in line]
+        row["error"] = (errors[-1] if errors else f"exit code {proc.returncode}")[-300:]
+    else:
+        row.update(json.loads(found[-1][len("RESULT ") :]))
+    logger.info("model-parallel %s: %s", row["row"], row.get("error", "done"))
+    return row
 
 
 def _has_jax() -> bool:
@@ -144,23 +149,7 @@ def speed_rows(config: ModelParallelConfig, machine: dict) -> list[dict]:
             rows.append(row)
             continue
         worker = {**dict(config.speed), "backend": backend, "mesh": row["mesh"]}
-        try:
-            proc = subprocess.run(
-                [sys.executable, "-m", "tfstrat.bench._mp_speed", json.dumps(worker)],
-                capture_output=True,
-                text=True,
-                timeout=1800,
-            )
-        except subprocess.TimeoutExpired:
-            proc = subprocess.CompletedProcess([], 124, "", "Error: the row took over 1800 s")
-        found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-        if proc.returncode != 0 or not found:
-            errors = [line for line in proc.stderr.splitlines() if "Error" in line]
-            row["error"] = (errors[-1] if errors else f"exit code {proc.returncode}")[-300:]
-        else:
-            row.update(json.loads(found[-1][len("RESULT ") :]))
-        logger.info("model-parallel %s: %s", row_id, row.get("error", "done"))
-        rows.append(row)
+        rows.append(_measure(row, "tfstrat.bench._mp_speed", worker))
     base = {r["backend"]: r for r in rows if r["mesh"] is None and "error" not in r}
     for r in rows:
         one = base.get(r["backend"])
