@@ -59,9 +59,8 @@ def _check(result, meshes, optimizers, steps, devices_here=None):
         assert case["weights"] <= TOLERANCE, (name, case["weights"])
         assert case["slots"] <= TOLERANCE, (name, case["slots"])
         assert case["iterations"] == steps, name
-        # float32 outputs: within 1e-5 of the reference's largest (logits of 10 carry 1e-6)
-        scale = max(1.0, case["predict_scale"])
-        assert case["predict"] <= TOLERANCE * scale, (name, case["predict"], scale)
+        # predict: against one device holding the same weights (the forward pass alone)
+        assert case["predict"] <= TOLERANCE, (name, case["predict"])
         assert case["evaluate"] <= TOLERANCE, (name, case["evaluate"])
         model_axis = int(case["mesh"].split("x")[1])
         if model_axis == 1:
@@ -111,13 +110,12 @@ def test_transformer_block_on_a_2x2_mesh(tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_keras_hub_llama_with_its_own_layout_map(tmp_path):
-    """keras-hub's LlamaBackbone (built from config) under its own get_layout_map, unchanged,
-    on (1, 2) and (2, 2): the batch-axis entries keep those dimensions whole (named at start),
-    the model-axis ones split. (Qwen trains alike, but its predict differs by 1.4e-5 on
-    (1, 2); Gemma's map splits the attention heads its call reshapes by the configured count:
-    not yet supported.)"""
-    model = "llama"
+@pytest.mark.parametrize("model", ["llama", "qwen"])
+def test_keras_hub_backbones_with_their_own_layout_maps(tmp_path, model):
+    """keras-hub's LlamaBackbone and QwenBackbone (built from config) under their own
+    get_layout_map, unchanged, on (1, 2) and (2, 2): the batch-axis entries keep those
+    dimensions whole (named at start), the model-axis ones split. (Gemma's map splits the
+    attention heads its call reshapes by the configured count: not yet supported.)"""
     result, err = _run(tmp_path, model, "1x2,2x2", "adam")
     _check(result, "1x2,2x2", "adam", steps=STEPS[model])
     assert "kept whole over that axis" in err
@@ -127,7 +125,7 @@ def test_keras_hub_llama_with_its_own_layout_map(tmp_path):
 @pytest.mark.matrix
 @pytest.mark.usefixtures("matrix_only")
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("model", ["mlp", "transformer", "llama"])
+@pytest.mark.parametrize("model", ["mlp", "transformer", "llama", "qwen"])
 def test_every_mesh_and_optimizer(model, tmp_path):
     result, _ = _run(tmp_path, model, MESHES, "sgd,adam", timeout=840)
     _check(result, MESHES, "sgd,adam", steps=STEPS[model])
