@@ -16,12 +16,8 @@ from paths import WORKERS
 
 TOLERANCE = 1e-5
 MESHES = "1x2,2x1,2x2"
-STEPS = {
-    "mlp": 12,
-    "transformer": 8,
-    "llama": 8,
-    "qwen": 8,
-}  # 44 or 28 rows, batches of 8, 2 epochs
+# 44 or 28 rows, batches of 8, 2 epochs
+STEPS = {"mlp": 12, "transformer": 8, "llama": 8, "gemma": 8, "qwen": 8}
 
 
 @pytest.fixture
@@ -110,22 +106,25 @@ def test_transformer_block_on_a_2x2_mesh(tmp_path):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("model", ["llama", "qwen"])
+@pytest.mark.parametrize("model", ["llama", "gemma", "qwen"])
 def test_keras_hub_backbones_with_their_own_layout_maps(tmp_path, model):
-    """keras-hub's LlamaBackbone and QwenBackbone (built from config) under their own
+    """keras-hub's Llama, Gemma and Qwen backbones (built from config) under their own
     get_layout_map, unchanged, on (1, 2) and (2, 2): the batch-axis entries keep those
-    dimensions whole (named at start), the model-axis ones split. (Gemma's map splits the
-    attention heads its call reshapes by the configured count: not yet supported.)"""
+    dimensions whole (named at start), the model-axis ones split. Gemma's attention reshapes by
+    its configured head counts: it runs with the heads each device holds."""
     result, err = _run(tmp_path, model, "1x2,2x2", "adam")
+    if model == "gemma":
+        assert "(num_query_heads 4 -> 2, num_key_value_heads 2 -> 1)" in err, err[-3000:]
     _check(result, "1x2,2x2", "adam", steps=STEPS[model])
     assert "kept whole over that axis" in err
-    assert "feedforward_gate_dense (Dense)" in err and "row-parallel" in err
+    gate = "ffw_gating (EinsumDense)" if model == "gemma" else "feedforward_gate_dense (Dense)"
+    assert gate in err and "row-parallel" in err, err[-3000:]
 
 
 @pytest.mark.matrix
 @pytest.mark.usefixtures("matrix_only")
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("model", ["mlp", "transformer", "llama", "qwen"])
+@pytest.mark.parametrize("model", ["mlp", "transformer", "llama", "gemma", "qwen"])
 def test_every_mesh_and_optimizer(model, tmp_path):
     result, _ = _run(tmp_path, model, MESHES, "sgd,adam", timeout=840)
     _check(result, MESHES, "sgd,adam", steps=STEPS[model])

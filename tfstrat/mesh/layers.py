@@ -16,6 +16,9 @@ model, and mends split activations (below):
   **vocabulary-parallel** (each device looks up the ids in its rows, zeros elsewhere, summed by
   `reduce`); `ReversibleEmbedding`'s tied logits are computed per part and gathered. A table
   split over columns gives split rows, gathered.
+- An attention layer without weights of its own whose `query`/`key` projections are split by
+  heads and which reshapes by its configured `num_query_heads`/`num_key_value_heads`
+  (keras-hub's Gemma) runs, inside a step, with the counts each device holds.
 - Any other layer with a sharded variable (or a layer above with LoRA, quantization or an
   overridden `call`) reads its variables **whole** for the call (`variables.whole_reads`): the
   memory saving of its variables stays, its compute is not split, and a start-up line says so.
@@ -341,7 +344,7 @@ def install_split(layer, strategy) -> str | None:
         return None
     sharded = [v for v in own_variables(layer) if is_sharded(v)]
     if not sharded:
-        return None
+        return _install_local_heads(layer, strategy)
     for v in sharded:
         if getattr(v, "constraint", None) is not None:
             raise UsageError(
@@ -361,6 +364,51 @@ def install_split(layer, strategy) -> str | None:
     _install(layer, strategy, original, call)
     layer._tfstrat_mesh_call = kind
     return _line(layer, kind)
+
+
+# An attention layer that reshapes by its configured head counts (keras-hub's Gemma: q as
+# (kv heads, q heads // kv heads, head dim)) runs, inside a step, with the counts one device
+# holds when its query / key projections are split by heads.
+_HEAD_COUNTS = (("num_query_heads", "query"), ("num_key_value_heads", "key"))
+
+
+def _install_local_heads(layer, strategy) -> str | None:
+    parts = strategy.extended._tfstrat_mesh.model_size
+    children = {c.name: c for c in vars(layer).values() if isinstance(c, keras.layers.Layer)}
+    local = {}
+    for count, name in _HEAD_COUNTS:
+        n, child = getattr(layer, count, None), children.get(name)
+        if isinstance(n, int) and getattr(child, "_tfstrat_mesh_call", None) == "column":
+            local[count] = n // parts
+    if not local or parts == 1:
+        return None
+    original, lock, state = layer.call, threading.Lock(), {"depth": 0, "whole": {}}
+
+    def call(*args, **kwargs):
+        # Replicas trace in turns, one pausing inside the call at an exchange while another
+        # enters it: the counts are the local ones until the last replica leaves.
+        with lock:
+            if state["depth"] == 0:
+                state["whole"] = {k: getattr(layer, k) for k in local}
+                for k, v in local.items():
+                    object.__setattr__(layer, k, v)
+            state["depth"] += 1
+        try:
+            return original(*args, **kwargs)
+        finally:
+            with lock:
+                state["depth"] -= 1
+                if state["depth"] == 0:
+                    for k, v in state["whole"].items():
+                        object.__setattr__(layer, k, v)
+
+    _install(layer, strategy, original, call)
+    layer._tfstrat_mesh_call = "local heads"
+    counts = ", ".join(f"{k} {getattr(layer, k)} -> {v}" for k, v in local.items())
+    return (
+        f"{layer.path} ({type(layer).__name__}): its projections split by heads, it runs with "
+        f"the heads each device holds ({counts})"
+    )
 
 
 def prepare(model, strategy) -> list[str]:
