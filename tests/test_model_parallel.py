@@ -44,7 +44,7 @@ def _run(tmp_path, *args, timeout=420):
     return json.loads(out.read_text()), proc.stderr
 
 
-def _check(result, meshes, optimizers, steps, devices_here=None):
+def _check(result, meshes, optimizers, steps, devices_here=None, fsdp=False):
     cases = result["cases"]
     assert [(c["mesh"], c["optimizer"]) for c in cases] == [
         (m, o) for o in optimizers.split(",") for m in meshes.split(",")
@@ -58,19 +58,25 @@ def _check(result, meshes, optimizers, steps, devices_here=None):
         # predict: against one device holding the same weights (the forward pass alone)
         assert case["predict"] <= TOLERANCE, (name, case["predict"])
         assert case["evaluate"] <= TOLERANCE, (name, case["evaluate"])
-        model_axis = int(case["mesh"].split("x")[1])
-        if model_axis == 1:
+        batch_axis, model_axis = (int(n) for n in case["mesh"].split("x"))
+        if model_axis == 1 and not fsdp:
             assert case["held"] == [], name  # nothing to split
             continue
         assert case["held"], name
-        for path, whole, parts in case["held"]:
-            # Every device holds 1/model-axis of each split variable and slot.
-            here = devices_here or 2 * int(case["mesh"].split("x")[0])
+        for path, whole, parts, (model_parts, batch_parts) in case["held"]:
+            # Every device holds 1/(model axis) of each split variable and slot, and of one
+            # sharded over the batch axis too (FSDP), 1/(batch axis x model axis).
+            assert model_parts in (1, model_axis), (name, path, model_parts)
+            assert batch_parts in ((1, batch_axis) if fsdp else (1,)), (name, path, batch_parts)
+            here = devices_here or batch_axis * model_axis
             assert len(parts) == here, (name, path, parts)
-            assert {size for _, size in parts} == {whole // model_axis}, (name, path, parts)
+            ways = model_parts * batch_parts
+            assert ways > 1 and {size for _, size in parts} == {whole // ways}, (name, path, parts)
             assert len({device for device, _ in parts}) == len(parts), (name, path, parts)
         slots = [p for p, *_ in case["held"] if p.split("/")[0].startswith(("sgd", "adam"))]
         assert slots, (name, "the optimizer's slots are split too")
+        if fsdp and batch_axis > 1:
+            assert any(s[1] == batch_axis for p, *_, s in case["held"] if p in slots), name
 
 
 @pytest.mark.timeout(600)
@@ -94,6 +100,29 @@ def test_mlp_on_every_mesh_with_checkpoints(tmp_path):
     assert "column-parallel" in err and "down (Dense): kernel (16, 12) split on dimension 0" in err
 
 
+@pytest.mark.timeout(600)
+def test_fsdp_shards_weights_over_the_batch_axis_too(tmp_path):
+    """The Transformer block with every weight sharded over the batch axis too (FSDP:
+    all-gathered for each use, gradients reduce-scattered), alone on (2, 1) and (4, 1) and with
+    the model axis on (2, 2): each device holds 1/(B x M) of each weight and of Adam's slots,
+    training equals one device (global_clipnorm: the norm over every block; an L2 penalty on
+    a sharded kernel), and model.save / BackupAndRestore write and read whole weights."""
+    result, err = _run(tmp_path, "transformer-fsdp", "2x2,2x1,4x1", "adam-clip", "--checkpoints")
+    _check(result, "2x2,2x1,4x1", "adam-clip", steps=STEPS["transformer"], fsdp=True)
+    for key in ("saved_to_plain", "saved_slots_to_plain", "plain_to_sharded"):
+        assert result[key] == 0.0, key
+    assert result["plain_to_sharded_slots"] == 0.0
+    assert [s for *_, s in result["loaded_held"]].count([2, 2]) >= 6, result["loaded_held"]
+    assert result["resumed_epochs"] == [1], result["resumed_epochs"]
+    # Not bit for bit: two uninterrupted runs of this model on one mesh differ by up to ~1e-6
+    # (the Transformer under ModelParallel, with or without FSDP); the MLP's resume is exact.
+    assert result["resumed"] <= TOLERANCE and result["resumed_slots"] <= TOLERANCE
+    assert "ff_up (Dense): kernel (16, 32) split on dimension 1 and sharded on dimension 0 over " \
+        "the batch axis" in err, err[-3000:]
+    assert "tokens/embeddings: dimension 0 split over 'model', dimension 1 sharded over the " \
+        "batch axis 'batch' (FSDP): each device holds (24, 8)" in err, err[-3000:]
+
+
 @pytest.mark.matrix
 @pytest.mark.usefixtures("matrix_only")
 @pytest.mark.timeout(600)
@@ -109,14 +138,16 @@ def test_transformer_block_on_a_2x2_mesh(tmp_path):
 @pytest.mark.parametrize("model", ["llama", "gemma", "qwen"])
 def test_keras_hub_backbones_with_their_own_layout_maps(tmp_path, model):
     """keras-hub's Llama, Gemma and Qwen backbones (built from config) under their own
-    get_layout_map, unchanged, on (1, 2) and (2, 2): the batch-axis entries keep those
-    dimensions whole (named at start), the model-axis ones split. Gemma's attention reshapes by
-    its configured head counts: it runs with the heads each device holds."""
+    get_layout_map, unchanged, on (1, 2) and (2, 2): the model-axis entries split, and on
+    (2, 2) the batch-axis entries shard those weights over the batch axis too (FSDP). Gemma's
+    attention reshapes by its configured head counts: it runs with the heads each device
+    holds."""
     result, err = _run(tmp_path, model, "1x2,2x2", "adam")
     if model == "gemma":
         assert "(num_query_heads 4 -> 2, num_key_value_heads 2 -> 1)" in err, err[-3000:]
-    _check(result, "1x2,2x2", "adam", steps=STEPS[model])
-    assert "kept whole over that axis" in err
+    _check(result, "1x2,2x2", "adam", steps=STEPS[model], fsdp=True)
+    fsdp = "dimension 1 sharded over the batch axis 'batch' (FSDP)"
+    assert f"token_embedding/embeddings: dimension 0 split over 'model', {fsdp}" in err, err[-3000:]
     gate = "ffw_gating (EinsumDense)" if model == "gemma" else "feedforward_gate_dense (Dense)"
     assert gate in err and "row-parallel" in err, err[-3000:]
 
@@ -199,7 +230,7 @@ def test_layouts_it_cannot_apply_are_named_before_the_first_step(tmp_path):
     assert "'tensor'" in r["unknown_axis"][1]
     assert "matches 2 layout rules" in r["two_rules"][1]
     assert "1 entries for 2 dimensions" in r["wrong_rank"][1]
-    assert "splits 2 dimensions" in r["two_dims_on_model"][1]
+    assert "puts 2 dimensions" in r["two_dims_on_model"][1]
     assert "batch_dim_name='data'" in r["unknown_batch_axis"][1]
     assert "at most one model axis" in r["three_axes"][1]
     assert r["matches_nothing"] is None  # a warning, and training goes on
@@ -276,3 +307,60 @@ def test_each_model_group_sums_once_and_each_member_gets_its_groups_result(shape
             tuple(f"part {g}" for g in group),
             group.index(r),
         )
+
+
+# --- FSDP's plan: which block each device holds, and what is refused ---------------------
+
+
+def _mesh(shape, workers=None):
+    import tfstrat
+    from tfstrat.mesh.layout import Mesh
+
+    devices = [f"/device:CPU:{i}" for i in range(shape[0] * shape[1])]
+    return Mesh.of(tfstrat.DeviceMesh(shape, ["batch", "model"], devices=devices), "batch", workers)
+
+
+def _layout(rule, axes):
+    layout = {}
+    layout[rule] = axes
+    return layout
+
+
+def test_fsdp_blocks_join_into_the_whole():
+    """On (2, 2), ("batch", "model") splits the columns over the model axis and each part's
+    rows over the batch axis: device (b, m) holds block (m, b), a quarter, and the blocks
+    join back into the whole."""
+    import numpy as np
+    from tfstrat.mesh.layout import plan
+
+    mesh = _mesh((2, 2))
+    sharding, line = plan(_layout("w", ("batch", "model")), mesh, "w", (4, 6))
+    assert (sharding.dim, sharding.parts, sharding.batch_dim, sharding.batch_parts) == (1, 2, 0, 2)
+    assert sharding.block_shape() == (2, 3)
+    assert "dimension 0 sharded over the batch axis 'batch' (FSDP)" in line
+    whole = np.arange(24).reshape(4, 6)
+    blocks = {(m, b): sharding.take(whole, m, b) for m in range(2) for b in range(2)}
+    np.testing.assert_array_equal(blocks[(1, 0)], whole[:2, 3:])
+    np.testing.assert_array_equal(sharding.assemble(blocks, lambda xs, a: np.concatenate(xs, a)),
+                                  whole)  # fmt: skip
+    # The batch axis alone (the model axis of size 1 splits nothing).
+    alone, _ = plan(_layout("w", ("batch", "model")), _mesh((4, 1)), "w", (4, 6))
+    assert (alone.dim, alone.batch_dim, alone.block_shape()) == (None, 0, (1, 6))
+
+
+def test_fsdp_layouts_it_cannot_apply_are_refused_by_name():
+    from tfstrat.errors import UsageError
+    from tfstrat.mesh.layout import plan
+
+    with pytest.raises(UsageError, match=r"'w' has shape \(3, 6\): its dimension 0 \(3\) does "
+                       r"not divide by the axis 'batch' \(2 devices\)"):  # fmt: skip
+        plan(_layout("w", ("batch", "model")), _mesh((2, 2)), "w", (3, 6))
+    with pytest.raises(UsageError, match="puts 2 dimensions of 'w' on the axis 'batch'"):
+        plan(_layout("w", ("batch", "batch")), _mesh((2, 2)), "w", (4, 6))
+    # Across workers (each worker's two devices a model group): named, with the fix.
+    names = [[f"/job:worker/replica:0/task:{w}/device:CPU:{k}" for k in range(2)] for w in (0, 1)]
+    across = _mesh((2, 2), workers=(0, names))
+    with pytest.raises(UsageError, match=r"rule 'dense/kernel' .* not across workers yet\. Put "
+                       r"None in place of 'batch'"):  # fmt: skip
+        plan(_layout("dense/kernel", ("batch", "model")), across, "dense/kernel", (4, 6))
+    assert plan(_layout("dense/kernel", (None, "model")), across, "dense/kernel", (4, 6))[0]

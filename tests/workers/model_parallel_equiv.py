@@ -2,7 +2,8 @@
 TFSTRAT_TEST_MESH_DEVICES=gpu: the GPU tier).
 
 Usage: python model_parallel_equiv.py MODEL MESHES OPTIMIZERS OUT.json [--checkpoints]
-  MODEL: mlp | transformer | llama | gemma | qwen (keras-hub's, under their own layout maps);
+  MODEL: mlp | transformer | transformer-fsdp (weights sharded over the batch axis too, with an
+  L2 penalty) | llama | gemma | qwen (keras-hub's, under their own layout maps);
   MESHES: e.g. "1x2,2x1,2x2"; OPTIMIZERS: e.g. "sgd,adam".
   Under `tfstrat launch --workers 2` (TF_CONFIG set): MESHES is one mesh over every worker's
   devices (the CPU split alike on each), created first, and each worker writes OUT.<rank>.
@@ -85,13 +86,14 @@ def build(opt):
         h = keras.layers.Dense(12, name="down")(h)
         h = keras.layers.LayerNormalization(name="norm")(h)
         model = keras.Model(inputs, keras.layers.Dense(4, name="head")(h))
-    elif MODEL == "transformer":
+    elif MODEL.startswith("transformer"):
         vocab, dim = 48, 16
+        penalty = keras.regularizers.L2(1e-3) if MODEL == "transformer-fsdp" else None
         ids = keras.Input((8,), dtype="int32")
         x = keras.layers.Embedding(vocab, dim, name="tokens")(ids)
         a = keras.layers.MultiHeadAttention(4, 4, name="attention")(x, x, use_causal_mask=True)
         x = keras.layers.LayerNormalization(name="norm1")(x + a)
-        f = keras.layers.Dense(32, activation="gelu", name="ff_up")(x)
+        f = keras.layers.Dense(32, activation="gelu", name="ff_up", kernel_regularizer=penalty)(x)
         f = keras.layers.Dense(dim, name="ff_down")(f)
         x = keras.layers.LayerNormalization(name="norm2")(x + f)
         model = keras.Model(ids, keras.layers.Dense(vocab, name="logits")(x))
@@ -126,6 +128,18 @@ def layout_map(mesh):
         layout["up/kernel"] = (None, "model")  # column-parallel
         layout["up/bias"] = ("model",)
         layout["down/kernel"] = ("model", None)  # row-parallel
+        return layout
+    if MODEL == "transformer-fsdp":  # every weight sharded over the batch axis too
+        layout["tokens/embeddings"] = ("model", "batch")
+        layout["attention/(query|key|value)/kernel"] = ("batch", "model", None)
+        layout["attention/(query|key|value)/bias"] = ("model", None)
+        layout["attention/attention_output/kernel"] = ("model", None, "batch")
+        layout["norm1/gamma"] = ("batch",)
+        layout["ff_up/kernel"] = ("batch", "model")
+        layout["ff_up/bias"] = ("model",)
+        layout["ff_down/kernel"] = ("model", "batch")
+        layout["logits/kernel"] = ("batch", "model")
+        layout["logits/bias"] = ("batch",)
         return layout
     layout["tokens/embeddings"] = ("model", None)  # vocabulary-parallel
     layout["attention/(query|key|value)/kernel"] = (None, "model", None)  # by heads
@@ -165,7 +179,9 @@ def diff(a, b) -> float:
 
 
 def held(model) -> list:
-    """(path, whole bytes, [bytes on each device]) of every split variable and slot."""
+    """(path, whole bytes, [[device, bytes it holds]], [devices of the model axis, of the batch
+    axis it is sharded over]) of every sharded variable and slot, read from the devices' own
+    variables."""
     from tfstrat.mesh.variables import is_sharded
 
     out = []
@@ -177,6 +193,7 @@ def held(model) -> list:
                     v.path,
                     int(np.prod(v.shape)) * 4,
                     [[p.device, int(np.prod(p.shape)) * 4] for p in parts],
+                    [v.sharding.parts, v.sharding.batch_parts],
                 ]
             )
     return out

@@ -178,11 +178,14 @@ elif args.mode == "model_parallel":
     np.savez(os.path.join(args.out, "model_parallel_reference.npz"), **train(None, False))
     for shape in ((4, 1), (2, 2)):
         mesh = tfstrat.DeviceMesh(shape, ["batch", "model"], devices=DEVICES[: shape[0] * shape[1]])
-        layout = tfstrat.LayoutMap(mesh)  # Megatron's MLP pair; the table by its columns
-        layout["embedding.*/embeddings"] = (None, "model")
-        layout["hidden/kernel"] = (None, "model")
+        # Megatron's MLP pair, the table by its columns; and every weight but the convolution's
+        # kernel sharded over the batch axis too (FSDP): the table by its rows
+        layout = tfstrat.LayoutMap(mesh)
+        layout["embedding.*/embeddings"] = ("batch", "model")
+        layout["conv1d.*/bias"] = ("batch",)
+        layout["hidden/kernel"] = ("batch", "model")
         layout["hidden/bias"] = ("model",)
-        layout["logits/kernel"] = ("model", None)
+        layout["logits/kernel"] = ("model", "batch")
         strategy = tfstrat.ModelParallel(layout_map=layout, batch_dim_name="batch")
         name = f"model_parallel_{shape[0]}x{shape[1]}"
         np.savez(os.path.join(args.out, f"{name}.npz"), **train(strategy, reference=False))

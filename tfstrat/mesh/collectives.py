@@ -217,6 +217,114 @@ def split(x, axis: int):
     return run(x)
 
 
+# --- the batch axis inside a step: FSDP's all-gather and reduce-scatter --------------------
+
+
+def _over_data_group(x, combine):
+    """`combine(replica, parts)` on each replica's device, where `parts` are `x` of the
+    replicas of its data group (one process: the mesh's devices are all here), by batch
+    coordinate; each replica gets its own result."""
+    context = tf.distribute.get_replica_context()
+    mesh = _mesh()
+
+    def merge(strategy, value):
+        parts = value.values
+        out = []
+        for k, r in enumerate(mesh.local):
+            with tf.device(mesh.local_devices[k]):
+                group = [parts[mesh.position(g)] for g in mesh.data_group(r)]
+                out.append(combine(r, group))
+        return tf_values.PerReplica(out)
+
+    return context.merge_call(merge, args=(x,))
+
+
+def data_sum(x):
+    """The sum of `x` over the data group, outside any gradient (a step's norms)."""
+    return _over_data_group(x, lambda _, parts: tf.add_n([tf.identity(p) for p in parts]))
+
+
+def _weighted(dy):
+    """`dy` weighted as the step's exact rule weighs a replica's gradient before the step's
+    sum (`tfstrat.strategies._exact_step`): by R n_r when Keras scaled this step's loss."""
+    from tfstrat.runtime.step import _step
+
+    if _step.rows is None or not _step.scaled:
+        return dy
+    replicas = tf.distribute.get_strategy().num_replicas_in_sync
+    weight = tf.cast(_step.rows, dy.dtype) * replicas
+    return tf.math.multiply_no_nan(dy, weight)  # a replica without rows: weight 0
+
+
+def gather_batch(x, axis: int):
+    """This device's block `x` of a variable sharded over the batch axis, all-gathered along
+    `axis` over the data group (FSDP's forward read). The gradient is reduce-scattered: the
+    data group's gradients, weighted by rows as the step's sum weighs them, summed, and each
+    device keeps its block's rows. The step's reduction leaves such a gradient as it is
+    (already summed over the batch axis) and divides it by the step's rows like the others."""
+    axis = axis % x.shape.rank
+    mesh = _mesh()
+    parts = mesh.data_size
+
+    @tf.custom_gradient
+    def run(t):
+        traffic = _traffic()
+        if traffic is not None and replica() == mesh.local[0]:
+            traffic.add("batch axis", t, parts - 1)
+        whole = _over_data_group(t, lambda _, group: tf.concat(group, axis))
+
+        def grad(dy):
+            if isinstance(dy, tf.IndexedSlices):  # a table's rows: kept as rows
+                dy = tf.IndexedSlices(_weighted(dy.values), dy.indices, dy.dense_shape)
+                if traffic is not None and replica() == mesh.local[0]:
+                    traffic.add("batch axis", dy, parts - 1)
+                return _over_data_group(dy, lambda r, group: _rows_block(group, r, t, axis))
+            # the gradient can lose its static shape (a Dense kernel's on 3-D inputs)
+            dy = _weighted(tf.ensure_shape(tf.convert_to_tensor(dy), whole.shape))
+            if traffic is not None and replica() == mesh.local[0]:
+                traffic.add("batch axis", dy, (parts - 1) / parts)
+
+            def scatter(r, group):
+                total = tf.add_n([tf.identity(g) for g in group])
+                begin = [0] * total.shape.rank
+                begin[axis] = mesh.data_index(r) * t.shape[axis]
+                return tf.slice(total, begin, t.shape)
+
+            return _over_data_group(dy, scatter)
+
+        return whole, grad
+
+    return run(x)
+
+
+def _rows_block(group, replica: int, block, axis: int):
+    """The data group's row gradients (`IndexedSlices` of the model part) concatenated, as one
+    device's gradient of the whole batch holds every looked-up row, cut to `replica`'s block
+    (`block`: its value): its columns (`axis` 1+), or its rows (`axis` 0: the rows it holds,
+    renumbered from its first)."""
+    values = tf.concat([tf.identity(g.values) for g in group], 0)
+    indices = tf.concat([tf.identity(g.indices) for g in group], 0)
+    shape = tf.constant(block.shape.as_list(), dtype=tf.int64)
+    size = block.shape[axis]
+    lo = _mesh().data_index(replica) * size
+    if axis == 0:
+        inside = tf.logical_and(indices >= lo, indices < lo + size)
+        values = tf.boolean_mask(values, inside)
+        indices = tf.boolean_mask(indices, inside) - tf.cast(lo, indices.dtype)
+        return tf.IndexedSlices(values, indices, tf.cast(shape, indices.dtype))
+    begin = [0] * values.shape.rank
+    begin[axis] = lo
+    sizes = [-1] * values.shape.rank
+    sizes[axis] = size
+    return tf.IndexedSlices(tf.slice(values, begin, sizes), indices, shape)
+
+
+def summed_in_backward(variable) -> bool:
+    """Whether `variable`'s gradient arrives summed over the batch axis (FSDP)."""
+    sharding = getattr(variable, "_tfstrat_sharding", None)
+    return sharding is not None and sharding.fsdp
+
+
 class DataAxisReduce(tf.distribute.CrossDeviceOps):
     """The strategy's reduction: sums over each data group only.
 

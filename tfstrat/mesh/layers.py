@@ -116,7 +116,7 @@ def _position(spec: str, letter: str) -> int:
 def _plan_einsum(equation: str, kernel) -> tuple[str | None, int | None, int | None]:
     """("column", output axis, None) or ("row", None, input axis) for `kernel`'s split, or
     (None, None, None): computed whole."""
-    if not is_sharded(kernel) or "->" not in equation:
+    if not is_sharded(kernel) or kernel.sharding.dim is None or "->" not in equation:
         return None, None, None
     inputs, output = equation.split("->")
     source, weights = inputs.split(",")
@@ -202,6 +202,8 @@ def _lookup(layer, inputs):
     if ids.dtype not in (tf.int32, tf.int64):
         ids = tf.cast(ids, tf.int32)
     sharding = table.sharding
+    if sharding.dim is None:  # sharded over the batch axis only: the whole table
+        return tf.cast(keras.ops.take(table.local(), ids, axis=0), layer.compute_dtype)
     if sharding.dim == 1:
         rows = keras.ops.take(table.local(), ids, axis=0)
         return tf.cast(collectives.gather(rows, -1), layer.compute_dtype)
@@ -237,9 +239,7 @@ def _reversible_call(layer, original):
 def _whole_call(layer, original):
     def call(*args, **kwargs):
         wholes = {
-            id(v): collectives.gather(v.local(), v.sharding.dim)
-            for v in own_variables(layer)
-            if is_sharded(v)
+            id(v): _read(v) for v in own_variables(layer) if is_sharded(v)
         }
         with whole_reads(wholes):
             return original(*args, **kwargs)
@@ -295,13 +295,17 @@ def _choose(layer):
     if reversible is not None and isinstance(layer, reversible) and names == {"embeddings"}:
         if not getattr(layer, "lora_enabled", False) and not layer.quantization_mode:
             if type(layer).call is reversible.call or _keeps_call(layer, reversible):
-                kind = "vocabulary-parallel" if layer._embeddings.sharding.dim == 0 else "columns"
+                kind = _table_kind(layer._embeddings)
                 return kind, _reversible_call(layer, original)
     if isinstance(layer, keras.layers.Embedding) and _plain(layer, keras.layers.Embedding):
         if names == {"embeddings"}:  # Keras computes a mask_zero mask outside the call
-            kind = "vocabulary-parallel" if layer._embeddings.sharding.dim == 0 else "columns"
+            kind = _table_kind(layer._embeddings)
             return kind, lambda inputs: _lookup(layer, inputs)
     return "whole", _whole_call(layer, original)
+
+
+def _table_kind(table) -> str:
+    return {0: "vocabulary-parallel", 1: "columns", None: "whole table"}[table.sharding.dim]
 
 
 def _keeps_call(layer, base) -> bool:
@@ -316,19 +320,24 @@ def _keeps_call(layer, base) -> bool:
 
 
 class ModelGroupPenalty:
-    """A split variable's regularizer: inside a step each device computes the penalty of its
-    part, summed over the model group (`collectives.reduce`: the whole variable's penalty in
-    the loss Keras reports, each part's gradient its own). Exact for penalties that add over
-    elements (L1, L2); one that couples elements across parts would see only its part."""
+    """A sharded variable's regularizer: inside a step each device computes the penalty of its
+    model part (a variable sharded over the batch axis reads its part all-gathered, so the
+    penalty's gradient reaches the blocks as the loss's does), summed over the model group
+    (`collectives.reduce`: the whole variable's penalty in the loss Keras reports, each part's
+    gradient its own). Exact for penalties that add over elements (L1, L2); one that couples
+    elements across parts would see only its part."""
 
-    def __init__(self, regularizer):
+    def __init__(self, regularizer, sharding):
         self.regularizer = regularizer
+        self.sharding = sharding
 
     def __call__(self, x):
-        penalty = self.regularizer(x)
         if tf.distribute.in_cross_replica_context() or not tf.distribute.has_strategy():
-            return penalty  # read whole
-        if collectives.model_size() > 1:
+            return self.regularizer(x)  # read whole
+        if is_sharded(x):
+            x = x.local()
+        penalty = self.regularizer(x)
+        if self.sharding.dim is not None and collectives.model_size() > 1:
             return collectives.reduce(penalty)
         return penalty
 
@@ -356,7 +365,7 @@ def install_split(layer, strategy) -> str | None:
         if getattr(v, "regularizer", None) is not None and not isinstance(
             v.regularizer, ModelGroupPenalty
         ):
-            v.regularizer = ModelGroupPenalty(v.regularizer)
+            v.regularizer = ModelGroupPenalty(v.regularizer, v.sharding)
     original = layer.call
     kind, call = _choose(layer)
     if kind in ("row", "column"):
@@ -417,6 +426,10 @@ def prepare(model, strategy) -> list[str]:
     arrives split whole again, and so do the model's outputs."""
     layers = model._flatten_layers(include_self=True) if hasattr(model, "_flatten_layers") else []
     lines = [line for line in (install_split(layer, strategy) for layer in layers) if line]
+    if strategy.extended._tfstrat_mesh.data_size > 1:
+        for layer in layers:
+            if isinstance(layer, _CONVOLUTIONS) and not hasattr(layer, "_tfstrat_rows_guard"):
+                _guard_empty_slices(layer, strategy)
     if strategy.extended._tfstrat_mesh.model_size == 1:
         return lines
     for layer in layers:
@@ -433,6 +446,35 @@ def prepare(model, strategy) -> list[str]:
         _install(layer, strategy, original, call)
         layer._tfstrat_mesh_call = kind
     return lines
+
+
+_CONVOLUTIONS = tuple(
+    getattr(keras.layers, name)
+    for name in (
+        "Conv1D", "Conv2D", "Conv3D", "Conv1DTranspose", "Conv2DTranspose", "Conv3DTranspose",
+        "SeparableConv1D", "SeparableConv2D", "DepthwiseConv1D", "DepthwiseConv2D",
+    )
+    if hasattr(keras.layers, name)
+)  # fmt: skip
+
+
+def _guard_empty_slices(layer, strategy) -> None:
+    """A replica whose slice of the batch is empty still runs the forward pass when the model
+    holds collectives (its peers wait for it). TensorFlow's oneDNN convolution on the CPU gives
+    an input of 0 rows an output of the input's shape (TF 2.21), and the backward pass then
+    fails; such a layer computes on one row of zeros instead, its output cut back to the rows
+    it was given (exact: the row's gradient is zero)."""
+    original = layer.call
+
+    def call(inputs, *args, **kwargs):
+        if not _active(strategy) or not isinstance(inputs, tf.Tensor) or not inputs.shape.rank:
+            return original(inputs, *args, **kwargs)
+        rows = tf.shape(inputs)[0]
+        padding = [[0, tf.maximum(1 - rows, 0)]] + [[0, 0]] * (inputs.shape.rank - 1)
+        return original(tf.pad(inputs, padding), *args, **kwargs)[:rows]
+
+    object.__setattr__(layer, "call", call)
+    layer._tfstrat_rows_guard = True
 
 
 def _whole_outputs(model, original):
@@ -491,8 +533,14 @@ def _install(layer, strategy, original, call):
 
 
 def _line(layer, kind: str) -> str:
+    def how_split(sharding):
+        said = [f"split on dimension {sharding.dim}"] if sharding.dim is not None else []
+        if sharding.fsdp:
+            said.append(f"sharded on dimension {sharding.batch_dim} over the batch axis")
+        return " and ".join(said)
+
     parts = ", ".join(
-        f"{v.name} {tuple(v.shape)} split on dimension {v.sharding.dim}"
+        f"{v.name} {tuple(v.shape)} {how_split(v.sharding)}"
         for v in own_variables(layer)
         if isinstance(v, ShardedVariable)
     )
@@ -502,6 +550,7 @@ def _line(layer, kind: str) -> str:
         "vocabulary-parallel": "vocabulary-parallel lookup",
         "columns": "lookup of split columns, gathered",
         "whole kernel": "kernel read whole for each call",
+        "whole table": "table read whole for each call",
         "whole": "variables read whole for each call: tfstrat does not split this layer's "
         "computation (its variables' memory is still split)",
     }[kind]

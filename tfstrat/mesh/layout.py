@@ -6,13 +6,17 @@ written for Keras's JAX `ModelParallel`, keras-hub's `get_layout_map` helpers in
 unchanged. `Mesh` is the strategy's view of one: the replicas in the mesh's order, each with its
 coordinate on the batch axis (which slice of the batch it reads) and on the model axis (which
 part of each sharded variable it holds). `Sharding` is one variable's plan: the dimension split
-over the model axis, if any.
+over the model axis, and the dimension sharded over the batch axis, if any.
 
 What a layout can say, and what tfstrat does with it:
 - a dimension on the model axis: split into equal parts, part m on the devices whose model
   coordinate is m; each device holds only its part (and its optimizer slots' parts);
-- a dimension on the batch axis (keras-hub's layouts put the batch axis on weights, as
-  ZeRO/FSDP does): kept whole on every device of that axis, and a start-up line says so;
+- a dimension on the batch axis (ZeRO-3 / FSDP; keras-hub's layouts put the batch axis on
+  weights): that dimension of the model part is sharded again over the batch axis, so device
+  (b, m) holds block (m, b), 1/(B x M) of the variable and of each slot. Inside a step the
+  blocks are all-gathered over the batch axis before use and the gradients reduce-scattered
+  (`tfstrat.mesh.collectives.gather_batch`). In one process only, for now: a mesh across
+  workers refuses it by the rule's name;
 - None: kept whole.
 """
 
@@ -180,6 +184,12 @@ class Mesh:
             return 0
         return int(np.unravel_index(replica, self.shape)[self.axis_names.index(axis)])
 
+    def data_group(self, replica: int) -> list[int]:
+        """The replicas that hold `replica`'s model part, by batch coordinate."""
+        m = self.model_index(replica)
+        group = [r for r in range(len(self.devices)) if self.model_index(r) == m]
+        return sorted(group, key=self.data_index)
+
     def data_index(self, replica: int) -> int:
         return self.coordinate(replica, self.batch_axis)
 
@@ -207,24 +217,59 @@ class Mesh:
 
 @dataclasses.dataclass(frozen=True)
 class Sharding:
-    """A variable's plan: `dim` split over the model axis into `parts` equal parts."""
+    """A variable's plan: `dim` split over the model axis into `parts` equal parts (None, 1:
+    not split), and `batch_dim` of each part sharded over the batch axis into `batch_parts`
+    (None, 1: not sharded). Device (b, m) holds block (m, b)."""
 
     path: str
     shape: tuple[int, ...]
-    dim: int
+    dim: int | None
     parts: int
     rule: str  # the layout map's key that matched
+    batch_dim: int | None = None
+    batch_parts: int = 1
+
+    @property
+    def fsdp(self) -> bool:
+        """Whether the variable is sharded over the batch axis too."""
+        return self.batch_parts > 1
 
     def bounds(self, part: int) -> tuple[int, int]:
+        """Model part `part`'s rows of dimension `dim`."""
         size = self.shape[self.dim] // self.parts
         return part * size, (part + 1) * size
 
-    def take(self, full, part: int):
-        """Part `part` of the whole value `full` (an array or tensor)."""
-        lo, hi = self.bounds(part)
-        index = [slice(None)] * len(self.shape)
-        index[self.dim] = slice(lo, hi)
+    @staticmethod
+    def _cut(full, dim: int | None, parts: int, part: int):
+        if dim is None or parts == 1:
+            return full
+        size = full.shape[dim] // parts
+        index = [slice(None)] * len(full.shape)
+        index[dim] = slice(part * size, (part + 1) * size)
         return full[tuple(index)]
+
+    def take(self, full, part: int, batch_part: int = 0):
+        """Block (`part`, `batch_part`) of the whole value `full` (an array or tensor): model
+        part `part`, and of it, batch part `batch_part`."""
+        model_part = self._cut(full, self.dim, self.parts, part)
+        return self._cut(model_part, self.batch_dim, self.batch_parts, batch_part)
+
+    def block_shape(self) -> tuple[int, ...]:
+        """The shape of the block one device holds."""
+        shape = list(self.shape)
+        if self.dim is not None:
+            shape[self.dim] //= self.parts
+        if self.batch_dim is not None:
+            shape[self.batch_dim] //= self.batch_parts
+        return tuple(shape)
+
+    def assemble(self, blocks, concat):
+        """The whole value from `blocks[(part, batch_part)]`, joined by `concat(list, axis)`."""
+        parts = []
+        for m in range(self.parts):
+            row = [blocks[(m, b)] for b in range(self.batch_parts)]
+            parts.append(row[0] if len(row) == 1 else concat(row, self.batch_dim))
+        return parts[0] if len(parts) == 1 else concat(parts, self.dim)
 
 
 def _axes(layout) -> tuple:
@@ -266,31 +311,41 @@ def plan(layout_map, mesh: Mesh, path: str, shape) -> tuple[Sharding | None, str
                 f"(its axes: {list(mesh.axis_names)}). Use one of those, or None."
             )
     model_dims = [k for k, a in enumerate(axes) if a is not None and a == mesh.model_axis]
-    notes = []
-    if any(a is not None and a == mesh.batch_axis for a in axes):
-        notes.append(
-            f"its layout {axes} puts the batch axis {mesh.batch_axis!r} on a dimension: kept "
-            "whole over that axis (tfstrat shards variables over the model axis only)"
-        )
-    if len(model_dims) > 1:
+    batch_dims = [k for k, a in enumerate(axes) if a is not None and a == mesh.batch_axis]
+    for dims, axis in ((model_dims, mesh.model_axis), (batch_dims, mesh.batch_axis)):
+        if len(dims) > 1:
+            raise UsageError(
+                f"Layout rule {rule!r} puts {len(dims)} dimensions of {path!r} on the axis "
+                f"{axis!r}: {axes}. Put one dimension on each axis."
+            )
+    dim = model_dims[0] if model_dims and mesh.model_size > 1 else None
+    batch_dim = batch_dims[0] if batch_dims and mesh.data_size > 1 else None
+    if batch_dim is not None and len(mesh.local) != len(mesh.devices):
         raise UsageError(
-            f"Layout rule {rule!r} splits {len(model_dims)} dimensions of {path!r} over the model "
-            f"axis {mesh.model_axis!r}: {axes}. Split one dimension."
+            f"Layout rule {rule!r} gives {path!r} the layout {axes}, which shards it over the "
+            f"batch axis {mesh.batch_axis!r} (FSDP): tfstrat does that within one process, "
+            "not across workers yet. Put None in place of "
+            f"{mesh.batch_axis!r} in that rule (the variable is then whole over the batch axis)."
         )
-    if not model_dims or mesh.model_size == 1:
-        note = "; ".join(notes) if notes else None
-        return None, (f"{path}: replicated ({note})" if note else None)
-    dim, parts = model_dims[0], mesh.model_size
-    if shape[dim] % parts:
-        raise UsageError(
-            f"Variable {path!r} has shape {shape}: its dimension {dim} ({shape[dim]}) does not "
-            f"divide by the model axis {mesh.model_axis!r} ({parts} devices). Change the layer's "
-            "size or the mesh, or leave that dimension unsharded (None)."
-        )
-    sharding = Sharding(path, shape, dim, parts, rule)
+    for k, axis, parts in ((dim, mesh.model_axis, mesh.model_size),
+                           (batch_dim, mesh.batch_axis, mesh.data_size)):  # fmt: skip
+        if k is not None and shape[k] % parts:
+            raise UsageError(
+                f"Variable {path!r} has shape {shape}: its dimension {k} ({shape[k]}) does not "
+                f"divide by the axis {axis!r} ({parts} devices). Change the layer's size or the "
+                "mesh, or leave that dimension unsharded (None)."
+            )
+    if dim is None and batch_dim is None:
+        return None, None
+    sharding = Sharding(path, shape, dim, mesh.model_size if dim is not None else 1, rule,
+                        batch_dim, mesh.data_size if batch_dim is not None else 1)  # fmt: skip
     line = None
-    if notes:
-        line = f"{path}: dimension {dim} split over {mesh.model_axis!r}; {'; '.join(notes)}"
+    if batch_dim is not None:
+        where = f"dimension {dim} split over {mesh.model_axis!r}, " if dim is not None else ""
+        line = (
+            f"{path}: {where}dimension {batch_dim} sharded over the batch axis "
+            f"{mesh.batch_axis!r} (FSDP): each device holds {sharding.block_shape()}"
+        )
     return sharding, line
 
 

@@ -6,6 +6,10 @@ initial value is drawn once, as on one device, and each device keeps its slice; 
 created beside their variable, are split the same way). Inside a step a device reads its own
 part, and the optimizer updates each part with its own gradient.
 
+A variable sharded over the batch axis too (FSDP) holds one block per device; inside a step
+`local()` all-gathers the blocks of the device's model part, and the gradient is
+reduce-scattered back to the blocks (`tfstrat.mesh.collectives.gather_batch`).
+
 Outside a step Keras sees the whole (`ShardedVariable`): `numpy()` concatenates the parts and
 `assign(whole)` writes each device's part, so `model.save`, `save_weights`, `ModelCheckpoint`,
 `BackupAndRestore` and `tf.train.Checkpoint` write plain Keras (TensorFlow) files and load them
@@ -31,7 +35,8 @@ _reads = threading.local()  # id(variable) -> the whole value its layer reads in
 
 
 class ShardedVariable(keras.Variable):
-    """A Keras variable whose value is split over the model axis (set by `adopt`)."""
+    """A Keras variable whose value is split over the model axis, or sharded over the batch
+    axis, or both (set by `adopt`)."""
 
     _tfstrat_sharding: Sharding
 
@@ -51,34 +56,48 @@ class ShardedVariable(keras.Variable):
         return super().value
 
     def local(self):
-        """This device's part (in a step), as a tensor."""
-        return tf.convert_to_tensor(self._value)
+        """This device's model part, in a step, as a tensor: the device's own value, or, for a
+        variable sharded over the batch axis too, its blocks all-gathered over that axis."""
+        value = tf.convert_to_tensor(self._value)
+        if self._tfstrat_sharding.fsdp:
+            from tfstrat.mesh import collectives
 
-    def _parts(self) -> list:
-        """One component per part, by model coordinate (this process holds every part: its
-        devices hold whole model groups)."""
-        mesh = self._tfstrat_mesh
-        components = self._value.values
+            return collectives.gather_batch(value, self._tfstrat_sharding.batch_dim)
+        return value
+
+    def _blocks(self) -> dict:
+        """(model part, batch part) -> this process's component holding that block (one
+        process holds every block of a variable it shards over the batch axis, and every
+        model part of the others)."""
+        mesh, sharding = self._tfstrat_mesh, self._tfstrat_sharding
         first = mesh.data_index(mesh.local[0])
-        group = [k for k, r in enumerate(mesh.local) if mesh.data_index(r) == first]
-        return [components[k] for k in sorted(group, key=lambda k: mesh.model_index(mesh.local[k]))]
+        blocks = {}
+        for k, r in enumerate(mesh.local):
+            b = mesh.data_index(r)
+            if sharding.fsdp or b == first:
+                blocks[(mesh.model_index(r) if sharding.dim is not None else 0,
+                        b if sharding.fsdp else 0)] = self._value.values[k]  # fmt: skip
+        return blocks
 
     def whole(self):
-        """The whole value as a tensor, outside a step (the parts concatenated)."""
-        return tf.concat([tf.convert_to_tensor(p) for p in self._parts()], self.sharding.dim)
+        """The whole value as a tensor, outside a step (the blocks joined)."""
+        blocks = {k: tf.convert_to_tensor(v) for k, v in self._blocks().items()}
+        return self.sharding.assemble(blocks, lambda xs, axis: tf.concat(xs, axis))
 
     def numpy(self):
-        return np.concatenate([p.numpy() for p in self._parts()], axis=self.sharding.dim)
+        blocks = {k: v.numpy() for k, v in self._blocks().items()}
+        return self.sharding.assemble(blocks, lambda xs, axis: np.concatenate(xs, axis=axis))
 
     def __array__(self, dtype=None, copy=None):
         whole = self.numpy()
         return whole if dtype is None else whole.astype(dtype)
 
     def _direct_assign(self, value):
-        mesh = self._tfstrat_mesh
+        mesh, sharding = self._tfstrat_mesh, self.sharding
         value = tf.convert_to_tensor(value, self._value.dtype)
         for k, component in enumerate(self._value.values):
-            component.assign(self.sharding.take(value, mesh.model_index(mesh.local[k])))
+            r = mesh.local[k]
+            component.assign(sharding.take(value, mesh.model_index(r), mesh.data_index(r)))
 
     # tf.train.Checkpoint (custom loops) saves the whole value under a plain variable's key,
     # so its checkpoints restore on one device, or on another mesh, and back.

@@ -31,21 +31,26 @@ def _square_norm(g):
 
 def clip_aggregated(optimizer, grads, square_norms=None):
     """Applies `optimizer`'s clipnorm / global_clipnorm / clipvalue to all-reduced `grads`;
-    `square_norms(grads)` gives each gradient's squared norm (None: computed here; a strategy
-    whose devices hold parts of a variable sums the parts' over them)."""
+    `square_norms(grads)` gives each gradient's squared norm (None: computed here). A strategy
+    whose devices hold parts of a variable (ModelParallel) passes its own, which sums the
+    parts' over them; its row gradients are one device's (repeats apart), so they are scaled as
+    Keras scales them on one device: made dense."""
+    scale = sparse.scale
     if square_norms is None:
         square_norms = lambda gs: [None if g is None else _square_norm(g) for g in gs]  # noqa: E731
+    else:
+        scale = lambda g, s: tf.convert_to_tensor(g) * s  # noqa: E731
     if optimizer.clipnorm and optimizer.clipnorm > 0:
         c = optimizer.clipnorm
         return [
-            g if g is None else sparse.scale(g, c / tf.maximum(tf.sqrt(n), c))
+            g if g is None else scale(g, c / tf.maximum(tf.sqrt(n), c))
             for g, n in zip(grads, square_norms(grads))
         ]
     if optimizer.global_clipnorm and optimizer.global_clipnorm > 0:
         c = optimizer.global_clipnorm
         norm = tf.sqrt(tf.add_n([n for n in square_norms(grads) if n is not None]))
-        scale = c / tf.maximum(norm, c) + (norm - norm)  # NaN/inf norm -> NaN, as Keras does
-        return [g if g is None else sparse.scale(g, scale) for g in grads]
+        factor = c / tf.maximum(norm, c) + (norm - norm)  # NaN/inf norm -> NaN, as Keras does
+        return [g if g is None else scale(g, factor) for g in grads]
     if optimizer.clipvalue and optimizer.clipvalue > 0:
         v = optimizer.clipvalue
 

@@ -204,15 +204,38 @@ def step_reduce(reduce_sum, stop, replicas: int, iterations=None):
         # A dense gradient can lose its static shape (TF 2.21: Dense on 3-D input gives its
         # kernel a (None, units) gradient); the variable's shape lets the ring carry it.
         pairs = [(g if g is None else _with_static_shape(g, v), v) for g, v in grads_and_vars]
+        # ModelParallel's variables sharded over the batch axis (FSDP) arrive summed over it,
+        # weighted by rows (`mesh.collectives.gather_batch`): only the division by the rows.
+        held = {i: g for i, (g, v) in enumerate(pairs) if g is not None and _summed(v)}
+        if not held:
+            return reduce_rest(pairs, False)[0]
+        rest, rows = reduce_rest([p for i, p in enumerate(pairs) if i not in held], True)
+        rest = iter(rest)
+        return [
+            (held[i] if rows is None else sparse.scale(held[i], 1.0 / rows), v)
+            if i in held
+            else next(rest)
+            for i, (_, v) in enumerate(pairs)
+        ]
+
+    def reduce_rest(pairs, need_rows: bool):
+        """(`pairs` reduced, the step's rows summed when the gradients were weighted by them;
+        `need_rows`: even when no gradient is left to reduce)."""
         have = [i for i, (g, _) in enumerate(pairs) if g is not None]
         context = tf.distribute.get_replica_context()
         rows = _step.rows if _step.scaled else None
         metrics = _step.metrics or []
-        if not have or context is None or (stop is None and rows is None and not metrics):
+        if (
+            (not have and not need_rows)
+            or context is None
+            or (stop is None and rows is None and not metrics)
+        ):
+            if not have and need_rows:
+                return pairs, None
             marks = _keep_lazy_sparse(pairs)
             lossy = compression.mark(((g, v) for g, v in pairs if _is_dense(g)), iterations)
             try:
-                return reduce_sum(pairs)
+                return reduce_sum(pairs), None
             finally:
                 sparse.forget(marks)
                 compression.forget(lossy)
@@ -238,9 +261,10 @@ def step_reduce(reduce_sum, stop, replicas: int, iterations=None):
         if stop is not None:
             stop.agree(extras[:2])
             at = 2
-        grads = reduced[:-1]
+        grads, total = reduced[:-1], None
         if rows is not None:
-            grads = [sparse.scale(g, 1.0 / extras[at]) for g in grads]
+            total = extras[at]
+            grads = [sparse.scale(g, 1.0 / total) for g in grads]
             at += 1
         states = []
         for v in variables:
@@ -251,9 +275,15 @@ def step_reduce(reduce_sum, stop, replicas: int, iterations=None):
             _step.states = _split_by_metric(metrics, states)
         for i, g in zip(have, grads, strict=True):
             pairs[i] = (g, pairs[i][1])
-        return pairs
+        return pairs, total
 
     return reduce
+
+
+def _summed(variable) -> bool:
+    from tfstrat.mesh.collectives import summed_in_backward
+
+    return summed_in_backward(variable)
 
 
 def _is_dense(g) -> bool:

@@ -80,13 +80,14 @@ class _SplitsVariables:
             with tf.init_scope():  # the whole value: this one's, or the chief's broadcast
                 self._tfstrat_whole = tf.convert_to_tensor(value() if callable(value) else value)
         mesh = self._tfstrat_mesh
-        whole, part = self._tfstrat_whole, mesh.model_index(mesh.local[replica_id])
+        whole, replica = self._tfstrat_whole, mesh.local[replica_id]
         if tuple(whole.shape) != sharding.shape:
             raise UsageError(
                 f"Variable {sharding.path!r}: its initial value has shape {tuple(whole.shape)}, "
                 f"its layout was planned for {sharding.shape}."
             )
-        return lambda: tf.identity(sharding.take(whole, part))
+        block = sharding.take(whole, mesh.model_index(replica), mesh.data_index(replica))
+        return lambda: tf.identity(block)
 
     def _get_cross_device_ops(self, value):
         return self._cross_device_ops  # int32 values too: every sum is over the batch axis
@@ -298,22 +299,29 @@ class _OnMesh:
                 )
 
     def _tfstrat_square_norms(self, grads, variables) -> list:
-        """Each gradient's squared norm for clipping: a split variable's is its parts' sum."""
+        """Each gradient's squared norm for clipping: a sharded variable's is its blocks' sum,
+        over the batch axis (FSDP), then over the model axis."""
         from tfstrat.mesh import collectives
 
-        norms, split = [], []
-        for i, (g, v) in enumerate(zip(grads, variables, strict=True)):
+        norms = []
+        for g in grads:
             if g is None:
                 norms.append(None)
                 continue
-            dense = tf.convert_to_tensor(g)  # row gradients: repeats summed, as one device's
-            norms.append(tf.reduce_sum(tf.square(tf.cast(dense, tf.float32))))
-            if getattr(v, "_tfstrat_sharding", None) is not None:
-                split.append(i)
-        if split and self.mesh.model_size > 1:
-            summed = collectives.model_sum(tf.stack([norms[i] for i in split]))
-            for k, i in enumerate(split):
-                norms[i] = summed[k]
+            # Row gradients arrive as one device's, each looked-up row once (repeats apart):
+            # Keras's one-device norm squares their values as they are.
+            values = g.values if isinstance(g, tf.IndexedSlices) else g
+            norms.append(tf.reduce_sum(tf.square(tf.cast(values, tf.float32))))
+        shardings = [getattr(v, "_tfstrat_sharding", None) for v in variables]
+        for over, total in (
+            (lambda s: s.fsdp, collectives.data_sum),
+            (lambda s: s.dim is not None and s.parts > 1, collectives.model_sum),
+        ):
+            split = [i for i, s in enumerate(shardings) if norms[i] is not None and s and over(s)]
+            if split:
+                summed = total(tf.stack([norms[i] for i in split]))
+                for k, i in enumerate(split):
+                    norms[i] = summed[k]
         return norms
 
     # -- input ----------------------------------------------------------------------------
