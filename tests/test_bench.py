@@ -101,16 +101,20 @@ def test_model_parallel_quick_fits_wider_models_in_the_same_bytes(tmp_path, caps
     assert code == 0, capsys.readouterr()
     every = json.loads((tmp_path / "model-parallel.json").read_text())
     # --quick: one of each kind, and the speed rows of TensorFlow
-    assert [r["row"] for r in every] == ["DP-2", "MP-1x2", "S-TF-1", "S-TF-MP-1x2"]
-    rows, speed = every[:2], every[2:]
+    assert [r["row"] for r in every] == ["DP-2", "MP-1x2", "FSDP-2x1", "S-TF-1", "S-TF-MP-1x2"]
+    rows, speed = every[:3], every[3:]
     for r in rows:
         assert max(r["held_bytes"]) == r["bookkeeping_bytes"] <= r["budget_bytes"], r
-    dp, mp2 = rows
+    dp, mp2, fsdp = rows
     assert dp["dim"] < mp2["dim"] and dp["params"] < mp2["params"]
+    # FSDP on the same two devices as DP-2 holds about half of each kernel: a wider model
+    assert dp["dim"] < fsdp["dim"] and dp["params"] < fsdp["params"], (dp, fsdp)
     # Data parallel moves gradients over the batch axis only; ModelParallel (1, n) the
-    # layers' activations within the model group only.
+    # layers' activations within the model group only; FSDP's all-gathers and
+    # reduce-scatters cross the batch axis, more than data parallel's sums of its model.
     assert dp["model_axis_bytes"] == 0 and dp["batch_axis_bytes"] > 0
     assert mp2["batch_axis_bytes"] == 0 and mp2["model_axis_bytes"] > 0
+    assert fsdp["model_axis_bytes"] == 0 and fsdp["batch_axis_bytes"] > 0
     # The speed rows: examples/s, each row's ratio to its backend's one device, the same
     # training (the split is exact: the same loss within float32's reach).
     one, split = speed

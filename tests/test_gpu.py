@@ -112,14 +112,14 @@ def test_mixed_precision_skips_one_workers_overflow_on_gpus(tmp_path):
         assert mine == ref, (i, mine, ref)
 
 
-@pytest.mark.parametrize("mesh", ["1x2", "2x1"])
-def test_model_parallel_sums_over_nccl_on_gpus(tmp_path, mesh):
-    """ModelParallel on a mesh of two GPUs: the layers' sums within the model group (1, 2) and
-    the step's sums over the batch axis (2, 1) are NCCL all-reduces (not copies added on each
-    GPU), and training equals one device."""
+@pytest.mark.parametrize("model, mesh", [("mlp", "1x2"), ("mlp", "2x1"), ("transformer-fsdp", "2x1")])
+def test_model_parallel_sums_over_nccl_on_gpus(tmp_path, model, mesh):
+    """ModelParallel on a mesh of two GPUs: the layers' sums within the model group (1, 2),
+    the step's sums over the batch axis (2, 1) and FSDP's reduce-scatter over it are NCCL
+    all-reduces (not copies added on each GPU), and training equals one device."""
     out = tmp_path / "result.json"
     proc = subprocess.run(
-        [sys.executable, "model_parallel_equiv.py", "mlp", mesh, "adam-clip", str(out)],
+        [sys.executable, "model_parallel_equiv.py", model, mesh, "adam-clip", str(out)],
         cwd=WORKERS,
         capture_output=True,
         text=True,
@@ -133,4 +133,4 @@ def test_model_parallel_sums_over_nccl_on_gpus(tmp_path, mesh):
     assert case["graph"]["nccl_all_reduce"] > 0, case["graph"]
     for key in ("weights", "slots", "predict", "evaluate"):
         assert case[key] <= TOLERANCE, (key, case[key])
-    assert all("GPU" in device for _, _, parts in case["held"] for device, _ in parts), case
+    assert all("GPU" in device for _, _, parts, _ in case["held"] for device, _ in parts), case

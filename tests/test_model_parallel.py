@@ -281,10 +281,11 @@ def test_model_exchange_is_nccl_exactly_where_nccl_can_run(devices, cuda, virtua
 
 
 @pytest.mark.parametrize("shape", [(1, 2), (2, 2), (1, 4), (4, 1)])
-def test_each_model_group_sums_once_and_each_member_gets_its_groups_result(shape):
-    """`over_model_groups` calls the all-reduce once per model group, with the group's parts
-    in model order, and hands each replica its own group's result (what NCCL's all_sum
-    returns: one output per input, on its device)."""
+@pytest.mark.parametrize("grouping", ["model", "data"])
+def test_each_group_sums_once_and_each_member_gets_its_groups_result(shape, grouping):
+    """`over_model_groups` calls the all-reduce once per model group (or data group: FSDP's
+    reduce-scatter on GPUs), with the group's parts in order, and hands each replica its own
+    group's result (what NCCL's all_sum returns: one output per input, on its device)."""
     import tfstrat
     from tfstrat.mesh.collectives import over_model_groups
     from tfstrat.mesh.layout import Mesh
@@ -292,21 +293,26 @@ def test_each_model_group_sums_once_and_each_member_gets_its_groups_result(shape
     n = shape[0] * shape[1]
     devices = [f"/device:CPU:{i}" for i in range(n)]
     mesh = Mesh.of(tfstrat.DeviceMesh(shape, ["batch", "model"], devices=devices), "batch")
+    group_of = mesh.model_group if grouping == "model" else mesh.data_group
     calls = []
 
     def all_sum(parts):
         calls.append(list(parts))
         return [("sum", tuple(parts), k) for k in range(len(parts))]
 
-    out = over_model_groups([f"part {r}" for r in mesh.local], mesh, all_sum)
-    assert len(calls) == shape[0]  # one per batch coordinate: the model groups
+    out = over_model_groups([f"part {r}" for r in mesh.local], mesh, all_sum, group_of)
+    # one per batch coordinate (the model groups), or per model coordinate (the data groups)
+    assert len(calls) == shape[0 if grouping == "model" else 1]
     for r in mesh.local:
-        group = mesh.model_group(r)
+        group = group_of(r)
         assert out[mesh.position(r)] == (
             "sum",
             tuple(f"part {g}" for g in group),
             group.index(r),
         )
+    if grouping == "data":
+        assert all(mesh.model_index(g) == mesh.model_index(group[0]) for g in group)
+        assert [mesh.data_index(g) for g in group] == list(range(shape[0]))
 
 
 # --- FSDP's plan: which block each device holds, and what is refused ---------------------

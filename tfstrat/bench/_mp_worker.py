@@ -36,18 +36,21 @@ def build(config: dict):
     return model
 
 
-def layout(mesh):
+def layout(mesh, fsdp: bool = False):
+    """Megatron-LM's layout; with `fsdp`, every kernel and the table sharded over the batch
+    axis too (on the dimension the model axis leaves whole)."""
     import tfstrat
 
+    b = "batch" if fsdp else None
     layout_map = tfstrat.LayoutMap(mesh)
-    layout_map["tokens/embeddings"] = ("model", None)
-    layout_map["attention_.*/(query|key|value)/kernel"] = (None, "model", None)
+    layout_map["tokens/embeddings"] = ("model", b)
+    layout_map["attention_.*/(query|key|value)/kernel"] = (b, "model", None)
     layout_map["attention_.*/(query|key|value)/bias"] = ("model", None)
-    layout_map["attention_.*/attention_output/kernel"] = ("model", None, None)
-    layout_map["ff_up_.*/kernel"] = (None, "model")
+    layout_map["attention_.*/attention_output/kernel"] = ("model", None, b)
+    layout_map["ff_up_.*/kernel"] = (b, "model")
     layout_map["ff_up_.*/bias"] = ("model",)
-    layout_map["ff_down_.*/kernel"] = ("model", None)
-    layout_map["logits/kernel"] = (None, "model")
+    layout_map["ff_down_.*/kernel"] = ("model", b)
+    layout_map["logits/kernel"] = (b, "model")
     return layout_map
 
 
@@ -74,7 +77,9 @@ def main() -> None:
 
     tfstrat.split_cpu(int(np.prod(mesh_shape)))
     mesh = tfstrat.DeviceMesh(mesh_shape, ["batch", "model"])
-    strategy = tfstrat.ModelParallel(layout_map=layout(mesh), batch_dim_name="batch")
+    strategy = tfstrat.ModelParallel(
+        layout_map=layout(mesh, config.get("fsdp", False)), batch_dim_name="batch"
+    )
     rng = np.random.default_rng(0)
     rows = config["batch"] * config["steps"]  # one epoch: `steps` steps
     x = rng.integers(0, config["vocab"], size=(rows, config["seq"])).astype("int32")

@@ -3,9 +3,10 @@ what the split costs in speed.
 
 For a fixed budget of bytes per device (the variables and Adam's two slots; activations not
 counted), each row finds the largest Transformer of this family (by its width) whose bytes fit
-on every device, under data parallelism (every variable whole on each device) and under
+on every device, under data parallelism (every variable whole on each device), under
 `ModelParallel` meshes (1, 2) and (1, 4) with Megatron-LM's layout (embedding by rows,
-attention by heads, MLP column then row, logits by columns). It then trains it for a few steps
+attention by heads, MLP column then row, logits by columns), and with FSDP (every kernel and
+the table sharded over the batch axis too) on (2, 1), (4, 1) and (2, 2). It then trains it for a few steps
 on logical CPUs and reports the bytes each device holds, read from the devices' variables (the
 bookkeeping must agree), and the bytes each device moves per step, counted as the steps run
 (`tfstrat.mesh.collectives.Traffic`): within the model group (the layers' exchanges) and over
@@ -17,8 +18,8 @@ split over a (1, 2) mesh of two logical CPUs of the same cores. Two logical devi
 cores cannot compute faster than one device, so what the split costs a user is the ratio of its
 examples/s to the one device's: measured against the same ratio for Keras's own
 `keras.distribution.ModelParallel` on JAX (rows added when `jax` is installed, e.g. with the
-`bench` extra). The memory rows' step times share the machine's cores the same way and are
-shown for reference only.
+`bench` extra). The memory rows' step times share the machine's cores the same way; their ratios to the
+one-device row are not measured here (the S-* rows are the speed measure).
 """
 
 from __future__ import annotations
@@ -33,10 +34,14 @@ from tfstrat.bench import _report
 
 logger = logging.getLogger(__name__)
 WORKER = "tfstrat.bench._mp_worker"
+# (id, label, mesh, FSDP: the weights sharded over the batch axis too)
 ROWS = [
-    ("DP-2", "data parallel: ModelParallel (2, 1), every variable whole", (2, 1)),
-    ("MP-1x2", "ModelParallel (1, 2)", (1, 2)),
-    ("MP-1x4", "ModelParallel (1, 4)", (1, 4)),
+    ("DP-2", "data parallel: ModelParallel (2, 1), every variable whole", (2, 1), False),
+    ("MP-1x2", "ModelParallel (1, 2)", (1, 2), False),
+    ("MP-1x4", "ModelParallel (1, 4)", (1, 4), False),
+    ("FSDP-2x1", "FSDP: ModelParallel (2, 1), weights sharded over the batch axis", (2, 1), True),
+    ("FSDP-4x1", "FSDP: ModelParallel (4, 1), weights sharded over the batch axis", (4, 1), True),
+    ("FSDP-2x2", "ModelParallel (2, 2) with FSDP over the batch axis", (2, 2), True),
 ]
 SLOTS = 2  # Adam's
 # (id, label, backend, mesh or None): the speed rows, each ratio to its backend's first row.
@@ -65,19 +70,23 @@ class ModelParallelConfig:
     speed: tuple[tuple[str, int], ...] = tuple(SPEED_MODEL.items())  # the speed rows' block
 
 
-def bytes_per_device(c: ModelParallelConfig, dim: int, parts: int) -> int:
-    """The variables and Adam slots one device holds: the split ones' 1/parts, the rest whole."""
+def bytes_per_device(c: ModelParallelConfig, dim: int, mesh, fsdp: bool = False) -> int:
+    """The variables and Adam slots one device holds on `mesh` (batch, model): the split
+    kernels' 1/model (with FSDP, 1/(batch x model)), the split biases' 1/model, the rest
+    whole."""
     v, d, layers = c.vocab, dim, c.layers
-    split = v * d + layers * (4 * d * d + 3 * d + 8 * d * d + 4 * d) + d * v
+    batch, model = mesh
+    kernels = v * d + layers * (4 * d * d + 8 * d * d) + d * v
+    biases = layers * (3 * d + 4 * d)
     whole = layers * 6 * d + v
-    return 4 * (1 + SLOTS) * (split // parts + whole)
+    return 4 * (1 + SLOTS) * (kernels // (model * (batch if fsdp else 1)) + biases // model + whole)
 
 
-def largest_dim(c: ModelParallelConfig, parts: int) -> int:
-    """The widest model (a multiple of the heads) within the budget on `parts` devices."""
+def largest_dim(c: ModelParallelConfig, mesh, fsdp: bool = False) -> int:
+    """The widest model (a multiple of the heads, so of the mesh's axes) within the budget."""
     budget, step = int(c.budget_mib * 2**20), c.heads
     dim = 0
-    while bytes_per_device(c, dim + step, parts) <= budget:
+    while bytes_per_device(c, dim + step, mesh, fsdp) <= budget:
         dim += step
     return dim
 
@@ -85,12 +94,11 @@ def largest_dim(c: ModelParallelConfig, parts: int) -> int:
 def run(config: ModelParallelConfig) -> list[dict]:
     machine = _report.machine()
     rows = []
-    for row_id, label, mesh in ROWS:
+    for row_id, label, mesh, fsdp in ROWS:
         if config.rows is not None and row_id not in config.rows:
             continue
-        parts = mesh[1]
-        dim = largest_dim(config, parts)
-        worker = {**dataclasses.asdict(config), "mesh": list(mesh), "dim": dim}
+        dim = largest_dim(config, mesh, fsdp)
+        worker = {**dataclasses.asdict(config), "mesh": list(mesh), "dim": dim, "fsdp": fsdp}
         for key in ("out", "budget_mib", "rows"):
             worker.pop(key)
         row = {
@@ -99,7 +107,7 @@ def run(config: ModelParallelConfig) -> list[dict]:
             "mesh": list(mesh),
             "dim": dim,
             "budget_bytes": int(config.budget_mib * 2**20),
-            "bookkeeping_bytes": bytes_per_device(config, dim, parts),
+            "bookkeeping_bytes": bytes_per_device(config, dim, mesh, fsdp),
             "machine": machine,
         }
         rows.append(_measure(row, WORKER, worker))
@@ -204,7 +212,9 @@ def table(rows, c: ModelParallelConfig) -> str:
         f"{c.layers} x (MultiHeadAttention with {c.heads} heads, LayerNormalization, "
         f"Dense 4 x width then width, LayerNormalization), logits; vocabulary {c.vocab}, "
         f"{c.seq} tokens per sequence, batch {c.batch}; the widest that fits (a multiple of "
-        "the heads). Measured MiB: the most any device holds, read from the devices' "
+        "the heads). FSDP rows: every kernel and the table also "
+        "sharded over the batch axis (all-gathered for each use, their gradients "
+        "reduce-scattered; counted as batch-axis bytes). Measured MiB: the most any device holds, read from the devices' "
         "variables. Bytes moved: what one device sends per training step by ring arithmetic "
         "(an all-reduce of S bytes over n devices 2(n-1)/n x S, an all-gather (n-1)/n of the "
         "whole), counted by tfstrat as the timed steps ran: within the model group (the "

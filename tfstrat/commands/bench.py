@@ -46,7 +46,7 @@ def _run(args) -> int:
         sizes = dict(steps=args.steps, repeats=args.repeats, budget_mib=args.budget_mib)
         if args.quick:  # seconds per row, numbers meaningless
             sizes = dict(steps=2, repeats=1, budget_mib=0.5, vocab=256, seq=8, batch=4)
-            sizes["rows"] = ("DP-2", "MP-1x2", "S-TF-1", "S-TF-MP-1x2")  # one of each kind
+            sizes["rows"] = ("DP-2", "MP-1x2", "FSDP-2x1", "S-TF-1", "S-TF-MP-1x2")  # each kind
             sizes["speed"] = tuple(SPEED_QUICK.items())
         if args.rows and not args.quick:
             sizes["rows"] = tuple(_args.csv(args.rows))

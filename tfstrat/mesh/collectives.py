@@ -97,13 +97,15 @@ def _over_model_group(x, combine):
     return context.merge_call(merge, args=(x,))
 
 
-def over_model_groups(parts: list, mesh: Mesh, all_sum) -> list:
+def over_model_groups(parts: list, mesh: Mesh, all_sum, group_of=None) -> list:
     """`all_sum(the group's parts)` once per model group of this process's replicas (`parts`
-    by position, one per replica); each replica gets its own result, in place."""
+    by position, one per replica); each replica gets its own result, in place. `group_of`:
+    another grouping (`Mesh.data_group`)."""
+    group_of = group_of or mesh.model_group
     out: list = [None] * len(parts)
     for k, replica in enumerate(mesh.local):
         if out[k] is None:
-            members = [mesh.position(g) for g in mesh.model_group(replica)]
+            members = [mesh.position(g) for g in group_of(replica)]
             for m, total in zip(members, all_sum([parts[m] for m in members])):
                 out[m] = total
     return out
@@ -284,17 +286,38 @@ def gather_batch(x, axis: int):
             if traffic is not None and replica() == mesh.local[0]:
                 traffic.add("batch axis", dy, (parts - 1) / parts)
 
-            def scatter(r, group):
-                total = tf.add_n([tf.identity(g) for g in group])
+            def block(r, total):
                 begin = [0] * total.shape.rank
                 begin[axis] = mesh.data_index(r) * t.shape[axis]
                 return tf.slice(total, begin, t.shape)
 
-            return _over_data_group(dy, scatter)
+            if _data_exchange() == "nccl":  # GPUs: one NCCL all-reduce per data group
+                return block(replica(), _nccl_data_sum(dy))
+            return _over_data_group(
+                dy, lambda r, group: block(r, tf.add_n([tf.identity(g) for g in group]))
+            )
 
         return whole, grad
 
     return run(x)
+
+
+def _data_exchange() -> str:
+    """How the batch axis sums in this process: "nccl" or "copies" (`DataAxisReduce`)."""
+    return getattr(getattr(_extended(), "_cross_device_ops", None), "exchange", "copies")
+
+
+def _nccl_data_sum(x):
+    """The sum over each data group, one NCCL all-reduce per group."""
+    from tfstrat._compat.tf import nccl_ops
+
+    mesh = _mesh()
+
+    def merge(strategy, value):
+        sums = over_model_groups(list(value.values), mesh, nccl_ops.all_sum, mesh.data_group)
+        return tf_values.PerReplica(sums)
+
+    return tf.distribute.get_replica_context().merge_call(merge, args=(x,))
 
 
 def _rows_block(group, replica: int, block, axis: int):

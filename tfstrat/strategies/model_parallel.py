@@ -5,7 +5,9 @@ running the same step on its own parts (SPMD):
 
 - **variables** (`tfstrat.mesh.variables`): a layout rule that puts the model axis on a
   dimension splits that variable, and its optimizer slots, into parts; each device holds only
-  its part. Every other variable is whole on every device.
+  its part. One that puts the batch axis on a dimension shards it over the batch axis too
+  (FSDP): each device holds one block, all-gathered for each use inside a step, its gradient
+  reduce-scattered. Every other variable is whole on every device.
 - **input**: each batch is cut into one slice per coordinate of the batch axis; the devices of
   one model group read the same slice.
 - **the forward and backward passes** (`tfstrat.mesh.layers`): Megatron-LM's column- and
@@ -13,7 +15,8 @@ running the same step on its own parts (SPMD):
   with the model group's collectives (`tfstrat.mesh.collectives`).
 - **the step's exchange**: the gradients (each device's of its parts), the rows and the metric
   states are summed over the batch axis only (`DataAxisReduce`), weighted by rows as in every
-  tfstrat strategy (`_exact_step`), so a step equals one device's on the same global batch.
+  tfstrat strategy (`_exact_step`), so a step equals one device's on the same global batch
+  (an FSDP block's gradient arrives summed by its reduce-scatter: only divided by the rows).
   Clipping by norm takes the norm over all parts.
 
 TensorFlow internals it depends on (`tfstrat._compat.tf`): `MirroredExtended`'s variable
