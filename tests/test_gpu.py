@@ -112,7 +112,9 @@ def test_mixed_precision_skips_one_workers_overflow_on_gpus(tmp_path):
         assert mine == ref, (i, mine, ref)
 
 
-@pytest.mark.parametrize("model, mesh", [("mlp", "1x2"), ("mlp", "2x1"), ("transformer-fsdp", "2x1")])
+@pytest.mark.parametrize(
+    "model, mesh", [("mlp", "1x2"), ("mlp", "2x1"), ("transformer-fsdp", "2x1")]
+)
 def test_model_parallel_sums_over_nccl_on_gpus(tmp_path, model, mesh):
     """ModelParallel on a mesh of two GPUs: the layers' sums within the model group (1, 2),
     the step's sums over the batch axis (2, 1) and FSDP's reduce-scatter over it are NCCL

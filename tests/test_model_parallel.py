@@ -117,10 +117,14 @@ def test_fsdp_shards_weights_over_the_batch_axis_too(tmp_path):
     # Not bit for bit: two uninterrupted runs of this model on one mesh differ by up to ~1e-6
     # (the Transformer under ModelParallel, with or without FSDP); the MLP's resume is exact.
     assert result["resumed"] <= TOLERANCE and result["resumed_slots"] <= TOLERANCE
-    assert "ff_up (Dense): kernel (16, 32) split on dimension 1 and sharded on dimension 0 over " \
-        "the batch axis" in err, err[-3000:]
-    assert "tokens/embeddings: dimension 0 split over 'model', dimension 1 sharded over the " \
-        "batch axis 'batch' (FSDP): each device holds (24, 8)" in err, err[-3000:]
+    assert (
+        "ff_up (Dense): kernel (16, 32) split on dimension 1 and sharded on dimension 0 over "
+        "the batch axis" in err
+    ), err[-3000:]
+    assert (
+        "tokens/embeddings: dimension 0 split over 'model', dimension 1 sharded over the "
+        "batch axis 'batch' (FSDP): each device holds (24, 8)" in err
+    ), err[-3000:]
 
 
 @pytest.mark.matrix
@@ -254,6 +258,12 @@ def test_layouts_it_cannot_apply_are_named_before_the_first_step(tmp_path):
     assert r["lazy_diff"] <= TOLERANCE
     assert r["rows_counted"] == [20.0, 20.0]  # each slice of the batch counted once
     assert r["two_inputs_predict"][0] == [10, 2] and r["two_inputs_predict"][1] <= TOLERANCE
+    # An attention layer's step on (1, 2) moves two sums of its activations over the model
+    # axis (an all-reduce of S bytes over 2 devices sends S): the output's (row-parallel) and
+    # one of the input's gradient for the query, key and value projections together (three
+    # without the shared copy).
+    moved, size = r["attention_model_axis"]
+    assert moved == 2 * size, (moved, size)
 
 
 # --- how a model group sums: NCCL among GPUs, device copies elsewhere -----------------------

@@ -218,5 +218,31 @@ expected = reference.predict(pair, batch_size=4, verbose=0)
 got = model.predict(pair, batch_size=4, verbose=0)
 results["two_inputs_predict"] = [list(got.shape), float(np.max(np.abs(expected - got)))]
 
+
+# A self-attention layer split by heads: its query, key and value projections read the same
+# input, so their gradients meet on each device and cross the model axis in one sum.
+def attention():
+    keras.utils.set_random_seed(6)
+    x = keras.Input((4, 8))
+    h = keras.layers.Dense(8, name="before")(x)  # so that the input's gradient is needed
+    model = keras.Model(x, keras.layers.MultiHeadAttention(2, 4, name="attention")(h, h))
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+layout = tfstrat.LayoutMap(mesh)
+layout["attention/(query|key|value)/kernel"] = (None, "model", None)
+layout["attention/(query|key|value)/bias"] = ("model", None)
+layout["attention/attention_output/kernel"] = ("model", None, None)
+strategy = tfstrat.ModelParallel(layout_map=layout)
+with strategy.scope():
+    model = attention()
+traffic = strategy.extended._cross_device_ops.traffic
+traffic.start()
+rows = rng.normal(size=(6, 4, 8)).astype("float32")
+model.fit(rows, rows, batch_size=6, epochs=1, verbose=0)
+# one step on (1, 2): bytes one device sends, and the size of the layer's input and output
+results["attention_model_axis"] = [traffic.read()["model axis"], rows.size * 4]
+
 with open(OUT, "w") as f:
     json.dump(results, f)

@@ -154,7 +154,7 @@ def _project(layer, inputs, equation: str, multiply, expected_last: int | None):
         y = collectives.reduce(multiply(x, _read(kernel, kernel.sharding.dim)))
         out_axis = None
     elif mode == "column":
-        x = collectives.copy(_whole_last(x, expected_last))
+        x = _split.copy(_whole_last(x, expected_last))
         y = multiply(x, _read(kernel, kernel.sharding.dim))
     else:
         y = multiply(_whole_last(x, expected_last), _read(kernel))
@@ -224,7 +224,7 @@ def _reversible_call(layer, original):
         table = layer._embeddings
         if not layer.tie_weights or table.sharding.dim != 0 or layer.logit_soft_cap is not None:
             return _whole_call(layer, original)(inputs, reverse=reverse)
-        x = collectives.copy(tf.convert_to_tensor(inputs))
+        x = _split.copy(tf.convert_to_tensor(inputs))
         if layer.reverse_dtype is not None:
             x = tf.cast(x, layer.reverse_dtype)
         kernel = tf.cast(tf.transpose(table.local()), x.dtype)
@@ -238,9 +238,7 @@ def _reversible_call(layer, original):
 
 def _whole_call(layer, original):
     def call(*args, **kwargs):
-        wholes = {
-            id(v): _read(v) for v in own_variables(layer) if is_sharded(v)
-        }
+        wholes = {id(v): _read(v) for v in own_variables(layer) if is_sharded(v)}
         with whole_reads(wholes):
             return original(*args, **kwargs)
 
@@ -494,17 +492,35 @@ def _whole_outputs(model, original):
             elif shapes is not None and len(shapes) == len(flat) and shapes[i]:
                 t = _whole_last(t, shapes[i][-1])
             mended.append(t)
-        _split.by_id.clear()  # this replica's trace of the model is done
+        _split.clear()  # this replica's trace of the model is done
         return keras.tree.pack_sequence_as(result, mended)
 
     return call
 
 
 class _SplitOutputs(threading.local):
-    """Tensors a column-parallel layer returned split (each replica thread its own)."""
+    """Tensors a column-parallel layer returned split, and the inputs column-parallel layers
+    took whole (each replica thread its own, for one trace of the model)."""
 
     def __init__(self):
         self.by_id: dict[int, tuple] = {}
+        self.copies: dict[int, tuple] = {}
+
+    def clear(self) -> None:
+        self.by_id.clear()
+        self.copies.clear()
+
+    def copy(self, x):
+        """`collectives.copy(x)`, once per tensor: column-parallel layers that read the same
+        input (an attention layer's query, key and value projections; a gated MLP's two) share
+        one copy, so their gradients are added on each device first and summed over the model
+        group in one exchange instead of one each."""
+        found = self.copies.get(id(x))
+        if found is not None and found[0] is x:
+            return found[1]
+        copied = collectives.copy(x)
+        self.copies[id(x)] = (x, copied)
+        return copied
 
     def note(self, tensor, axis: int) -> None:
         self.by_id[id(tensor)] = (tensor, axis)
