@@ -347,6 +347,7 @@ def test_fsdp_blocks_join_into_the_whole():
     rows over the batch axis: device (b, m) holds block (m, b), a quarter, and the blocks
     join back into the whole."""
     import numpy as np
+
     from tfstrat.mesh.layout import plan
 
     mesh = _mesh((2, 2))
