@@ -1,5 +1,6 @@
-"""Several "hosts" on this machine: Linux network namespaces joined by a bridge, for the
-`multihost` test tier and `benchmarks/multihost`.
+"""Several "hosts" on one machine: Linux network namespaces joined by a bridge, for
+`tfstrat bench cluster`, the tests' `multihost` tier and `benchmarks/multihost`. Needs root and
+iproute2; imports no TensorFlow.
 
 Layout of one `Network(hosts=3)` (names carry a per-run prefix, `tfs<pid>`):
 
@@ -7,6 +8,11 @@ Layout of one `Network(hosts=3)` (names carry a per-run prefix, `tfs<pid>`):
     tfs<pid>h<i> host i: `eth0` (the other end of `p<i>`), 10.77.0.<i+1>/24 and fd00:77::<i+1>/64,
                 `lo` up, names from /etc/netns/<ns>/hosts (which `ip netns exec` bind-mounts
                 over /etc/hosts)
+
+A link rate (`rate="1gbit"`) is a `tc tbf` qdisc on both ends of each host's link: the host's
+`eth0` (what it sends) and its switch port (what it receives), with a burst of about 1 ms at
+that rate. This kernel's `tc` has no `netem`: no delay is emulated. `counters()` reads the
+bytes each host's `eth0` sent and received, to check what a benchmark claims it moved.
 
 Nothing is created in, or changed of, the root namespace: every link is created directly inside
 its namespace. `close()` (or leaving the `with` block) kills every process started here (its
@@ -36,36 +42,13 @@ SUBNET4 = "10.77.0"  # host i is SUBNET4.(i+1)
 SUBNET6 = "fd00:77::"  # host i is SUBNET6(i+1)
 SERVICES4 = "10.96.0"  # ClusterIP-style service addresses: on no interface
 IP = shutil.which("ip") or "/usr/sbin/ip"
+UNSHARE = shutil.which("unshare")  # util-linux: each host its own hostname
 _OURS = re.compile(r"^tfs(\d+)[a-z]?(s|h\d+)$")  # prefix tfs<pid>, optional letter
-
-
-def module_network(hosts: int):
-    """The body of a module-scoped pytest fixture (`yield from module_network(3)`): a Network
-    of `hosts`, skipped where it cannot be built (a failure in CI as root), closed after."""
-    try:
-        network = Network(hosts).__enter__()
-    except Unavailable as e:
-        skip_or_fail(str(e))
-    try:
-        yield network
-    finally:
-        network.close()
 
 
 class Unavailable(RuntimeError):
     """This machine cannot build the network (not root, no `ip netns`, no iptables); the
-    message says why, for `skip_or_fail`."""
-
-
-def skip_or_fail(reason: str) -> None:
-    """Skips the test saying why, except in CI (`CI=true`, set by `.ci/run`) as root, where
-    `scripts/test` installs what the tier needs: there a tier that cannot run is a failure,
-    never a silent skip."""
-    import pytest
-
-    if os.environ.get("CI", "").lower() in ("1", "true") and os.geteuid() == 0:
-        pytest.fail(f"CI runs as root and must run this tier, but: {reason}")
-    pytest.skip(reason)
+    message says why."""
 
 
 def _run(*argv: str, check: bool = True, input: str | None = None) -> subprocess.CompletedProcess:
@@ -149,17 +132,29 @@ class Network:
 
     Args:
         hosts: how many host namespaces.
-        rate: e.g. "1gbit": a `tc tbf` qdisc with this rate on every host's `eth0` (its
-            egress, so every host sends at most `rate`); None for none.
+        rate: e.g. "1gbit": every host sends and receives at most this (`tc tbf` on its
+            `eth0` and on its switch port); None for none.
         prefix: namespace name prefix (default `tfs<pid>`; `tfs<pid>` and one letter for
             several networks at once, which `sweep_stale` still recognizes).
+        hostnames: each started process sees its host's name (`names[i]`) as its hostname,
+            in a UTS namespace of its own (util-linux's `unshare`), as on separate machines;
+            False: the machine's hostname.
     """
 
-    def __init__(self, hosts: int = 3, rate: str | None = None, prefix: str | None = None):
+    def __init__(
+        self,
+        hosts: int = 3,
+        rate: str | None = None,
+        prefix: str | None = None,
+        hostnames: bool = False,
+    ):
         if not 2 <= hosts <= 200:
             raise ValueError(f"Received: hosts={hosts}. Use 2 to 200.")
         self.hosts = hosts
         self.rate = rate
+        if rate is not None:
+            rate_bits(rate)  # a bad rate fails here, by name
+        self.hostnames = hostnames
         self.prefix = prefix or f"tfs{os.getpid()}"
         self.switch = f"{self.prefix}s"
         self.namespaces = [f"{self.prefix}h{i}" for i in range(hosts)]
@@ -220,10 +215,11 @@ class Network:
             # nat OUTPUT rules (if any) rewrite them first, as kube-proxy's do.
             _run(IP, "-n", ns, "route", "add", f"{SERVICES4}.0/24", "dev", "eth0")
             if self.rate:
-                # tbf needs a burst of at least rate/HZ; 1 MB is enough up to ~100 Gbit/s at HZ
-                # 100, and a 20 ms queue keeps latency like a switch port's.
-                _run(IP, "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root",
-                     "tbf", "rate", self.rate, "burst", "1mb", "latency", "20ms")  # fmt: skip
+                # Both directions: eth0 shapes what the host sends, its switch port what it
+                # receives (a ps's incoming pushes too).
+                for where, dev in ((ns, "eth0"), (self.switch, f"p{i}")):
+                    _run(IP, "netns", "exec", where, "tc", "qdisc", "add", "dev", dev, "root",
+                         *tbf(self.rate))  # fmt: skip
         self.write_hosts()
         self._wait_ipv6_ready()
 
@@ -321,6 +317,19 @@ class Network:
         for ns in self.namespaces:
             _run(IP, "netns", "exec", ns, binary, "-t", "nat", "-F", "OUTPUT", check=False)
 
+    # -- what moved ---------------------------------------------------------------------------
+
+    def counters(self) -> list[dict[str, int]]:
+        """Per host, the bytes its `eth0` has sent ("tx") and received ("rx") so far."""
+        import json
+
+        out = []
+        for ns in self.namespaces:
+            (link,) = json.loads(_run(IP, "-j", "-s", "-n", ns, "link", "show", "eth0").stdout)
+            stats = link.get("stats64") or link["stats"]
+            out.append({"tx": int(stats["tx"]["bytes"]), "rx": int(stats["rx"]["bytes"])})
+        return out
+
     # -- processes ----------------------------------------------------------------------------
 
     def start(
@@ -332,11 +341,18 @@ class Network:
         cwd: str | None = None,
     ) -> Task:
         """Starts `ip netns exec NS env K=V... ARGV` in the background, in its own process group,
-        output to a file; as one would start it by hand on host `host`."""
+        output to a file; as one would start it by hand on host `host` (with `hostnames`, it
+        sees that host's name as its hostname)."""
         name = name or f"h{host}:{len(self.tasks)}"
         log = os.path.join(self.logdir, f"{len(self.tasks):03d}-{name.replace(':', '_')}.log")
         env_args = [f"{k}={v}" for k, v in (env or {}).items()]
-        full = [IP, "netns", "exec", self.namespaces[host], "env", *env_args, *argv]
+        hostname = []
+        if self.hostnames:
+            if UNSHARE is None:
+                raise Unavailable("hostnames=True needs util-linux's `unshare`; not found")
+            script = 'hostname "$0" && exec "$@"'
+            hostname = [UNSHARE, "--uts", "sh", "-c", script, self.names[host]]
+        full = [IP, "netns", "exec", self.namespaces[host], *hostname, "env", *env_args, *argv]
         with open(log, "w") as out:
             proc = subprocess.Popen(
                 full,
@@ -418,6 +434,30 @@ class Network:
                 + task.output(limit)
             )
         return "\n".join(parts)
+
+
+def rate_bits(rate: str) -> float:
+    """Bits per second of a `tc` rate ("1gbit", "200mbit", "500kbit", "10gbit")."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmg]?)(bit|bps)", rate.strip().lower())
+    if not m:
+        raise ValueError(
+            f"Received: a link rate {rate!r}. Write it as tc does: e.g. 1gbit, 200mbit."
+        )
+    value = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
+    return value * (8 if m.group(3) == "bps" else 1)
+
+
+def counters_delta(before: list[dict], after: list[dict]) -> list[dict]:
+    """What each host's `eth0` sent and received between two `Network.counters()` reads."""
+    return [{k: a[k] - b[k] for k in ("tx", "rx")} for b, a in zip(before, after, strict=True)]
+
+
+def tbf(rate: str) -> list[str]:
+    """`tc qdisc add ... root` arguments of a token bucket at `rate`: a burst of about 1 ms
+    at that rate (at least 16 KiB, what tbf needs at the kernel's tick), a 20 ms queue like a
+    switch port's."""
+    burst = max(16 * 1024, int(rate_bits(rate) / 8 / 1000))
+    return ["tbf", "rate", rate, "burst", str(burst), "latency", "20ms"]
 
 
 def _kill(task: Task) -> None:

@@ -1,5 +1,5 @@
-"""`tfstrat bench scaling|sparse|allreduce|model-parallel`: the benchmarks, as a table and a
-plot."""
+"""`tfstrat bench scaling|sparse|allreduce|model-parallel|cluster`: the benchmarks, as a table
+and a plot."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def run(args) -> int:
         code = e.code if isinstance(e, _report.Interrupted) else _report.INTERRUPTED_SIGINT
         kept = (
             "nothing written"
-            if args.name in ("allreduce", "model-parallel")
+            if args.name in ("allreduce", "model-parallel", "cluster")
             else f"the rows measured before it are in {args.out}"
         )
         print(f"tfstrat bench: interrupted; {kept}", file=sys.stderr)
@@ -39,6 +39,8 @@ def _run(args) -> int:
     if not workers or min(workers) < 1 or len(workers) != len(_args.csv(args.workers)):
         print(f"tfstrat bench: --workers {args.workers!r} must list counts >= 1", file=sys.stderr)
         return _args.EXIT_USAGE
+    if args.name == "cluster":
+        return _cluster(args)
     if args.name == "model-parallel":
         from tfstrat.bench.model_parallel import ROWS, SPEED_QUICK, SPEED_ROWS, ModelParallelConfig
         from tfstrat.bench.model_parallel import run as run_model_parallel
@@ -127,14 +129,41 @@ def _run(args) -> int:
     return 0 if ok else 1
 
 
+def _cluster(args) -> int:
+    from tfstrat.bench import _netns
+    from tfstrat.bench.cluster import QUICK_SIZES, ClusterConfig
+    from tfstrat.bench.cluster import run as run_cluster
+
+    try:
+        hosts = tuple(int(h) for h in _args.csv(args.hosts))
+        _netns.rate_bits(args.link)
+    except ValueError as e:
+        print(f"tfstrat bench cluster: {e} (--hosts {args.hosts!r}, --link {args.link!r})",
+              file=sys.stderr)  # fmt: skip
+        return _args.EXIT_USAGE
+    sizes = dict(sizes=tuple(QUICK_SIZES), iters=5, seconds=1.0) if args.quick else {}
+    try:
+        run_cluster(ClusterConfig(hosts=hosts, link=args.link, out=args.out, **sizes))
+    except _netns.Unavailable as e:
+        print(f"tfstrat bench cluster: {e}", file=sys.stderr)
+        return _args.EXIT_USAGE
+    except ValueError as e:
+        print(f"tfstrat bench cluster: {e}", file=sys.stderr)
+        return _args.EXIT_USAGE
+    with open(f"{args.out}/cluster.md") as f:
+        print(f.read())
+    return 0
+
+
 def add_parser(sub) -> None:
     """The `tfstrat bench` subcommand, added to the parser `main` builds."""
     p = sub.add_parser(
         "bench",
         help="benchmarks: scaling (Mirrored vs CollectiveAllReduce), sparse (embeddings), "
-        "allreduce, model-parallel (the largest Transformer per device)",
+        "allreduce, model-parallel (the largest Transformer per device), cluster (the ring on "
+        "emulated hosts; root)",
     )
-    p.add_argument("name", choices=["scaling", "sparse", "allreduce", "model-parallel"])
+    p.add_argument("name", choices=["scaling", "sparse", "allreduce", "model-parallel", "cluster"])
     g = p.add_argument_group("Cluster")
     g.add_argument(
         "--workers", default=_args.env("bench-workers", "1,2"), help="worker counts, e.g. 1,2,3"
@@ -144,6 +173,16 @@ def add_parser(sub) -> None:
     )
     g.add_argument(
         "--threads-per-worker", type=int, default=_args.env("threads-per-worker", None, int)
+    )
+    g.add_argument(
+        "--hosts",
+        default=_args.env("hosts", "2,4"),
+        help="cluster: emulated host counts, e.g. 2,4,8,16 (network namespaces; needs root)",
+    )
+    g.add_argument(
+        "--link",
+        default=_args.env("link", "1gbit"),
+        help="cluster: each host's link rate, both ways, as tc writes it (1gbit, 200mbit)",
     )
     g = p.add_argument_group("Workload")
     g.add_argument("--model", choices=["small", "resnet50"], default=_args.env("model"))

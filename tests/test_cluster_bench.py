@@ -1,0 +1,45 @@
+"""`tfstrat bench cluster`'s ring on two emulated hosts: network namespaces on a bridge, each
+link shaped both ways, no TensorFlow in the hosts' processes. What it checks is that the bytes
+really cross the links: the hosts' interface counters against what the ring says it sent (no
+timing is asserted: speed is the benchmark's, run by hand)."""
+
+from __future__ import annotations
+
+import json
+
+import netns
+import pytest
+
+pytestmark = [pytest.mark.multihost]
+
+
+@pytest.mark.timeout(120)
+def test_two_host_ring_moves_its_bytes_over_the_shaped_link(tmp_path):
+    from tfstrat.bench import cluster
+
+    try:
+        netns.check_available()
+    except netns.Unavailable as e:
+        netns.skip_or_fail(str(e))
+    sizes = (4, 1 << 16, 1 << 20)
+    config = cluster.ClusterConfig(
+        hosts=(2,), link="1gbit", sizes=sizes, iters=4, seconds=1.0, out=str(tmp_path)
+    )
+    rows = cluster.run(config)
+    assert [(r["hosts"], r["link"]) for r in rows] == [(2, None), (2, "1gbit")]
+    for row in rows:
+        # each host sends its whole vector once a call (2 warm-ups, then the timed ones)
+        payload = sum((2 + s["calls"]) * size for s, size in zip(row["sizes"], sizes))
+        assert [s["bytes"] for s in row["sizes"]] == list(sizes)
+        assert all(s["calls"] >= 3 and s["seconds"] > 0 for s in row["sizes"]), row["sizes"]
+        for host, (claimed, wire) in enumerate(zip(row["ring_bytes_sent"], row["interface_bytes"])):
+            # headers: a few dozen bytes a call; the interface adds TCP/IP's per packet
+            assert payload <= claimed <= payload + 200 * sum(s["calls"] + 3 for s in row["sizes"])
+            assert claimed <= wire["tx"] <= 1.1 * claimed + 100_000, (host, claimed, wire)
+            assert claimed <= wire["rx"] <= 1.1 * claimed + 100_000, (host, claimed, wire)
+        model = row["model"]
+        assert model["hosts"] == 2 and model["beta_s_per_byte"] > 0
+    saved = json.loads((tmp_path / "cluster.json").read_text())
+    assert len(saved) == 2
+    text = (tmp_path / "cluster.md").read_text()
+    assert "| 2 | 1gbit | 1 MiB |" in text and "interfaces sent" in text, text
