@@ -15,8 +15,8 @@ accuracy on 8,192 held-out images after the same number of examples, once per se
 `--curve-every` steps) first reaches B-2's final accuracy of the same seed less 1 point.
 
 Networks: loopback (`tfstrat launch` on 127.0.0.1), and one task per network namespace with
-each host's egress limited by `tc qdisc ... tbf rate 1gbit` (tests/helpers/netns.py; the machinery of
-benchmarks/multihost/run.py, reused). Run as root:
+each host's link limited by `tc qdisc ... tbf rate 1gbit` (tfstrat/bench/_netns.py; both ways
+since 2026-11-29, egress only before; the machinery of benchmarks/multihost/run.py, reused). Run as root:
     .venv/bin/python benchmarks/localsgd/run.py --out bench-out/localsgd [--steps 20]
 Writes OUT/localsgd.md and OUT/localsgd.json.
 """
@@ -32,7 +32,6 @@ import statistics
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "..", "tests", "helpers"))
 
 
 def _multihost():
@@ -253,8 +252,7 @@ def main(argv=None) -> int:
         print(table(rows, links, args, saved["machine"]))
         return 0
 
-    import netns
-
+    from tfstrat.bench import _netns as netns
     from tfstrat.bench import _report
 
     multihost = _multihost()

@@ -1,4 +1,4 @@
-"""Throughput across "machines" (network namespaces on a bridge, tests/helpers/netns.py) against the
+"""Throughput across "machines" (network namespaces on a bridge, tfstrat/bench/_netns.py) against the
 same cluster on loopback: CollectiveAllReduce and Hybrid on the benchmark models of
 `tfstrat bench scaling` (the small ResNet-like CNN) and `tfstrat bench sparse` (a 200,000 x 64
 embedding, Zipf ids).
@@ -26,7 +26,6 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "..", "tests", "helpers"))
 
 PORT = 2222
 WORKER = "tfstrat.bench._worker"
@@ -275,8 +274,7 @@ def main(argv=None) -> int:
         _send(args.send[0], int(args.send[1]), int(args.send[2]))
         return 0
 
-    import netns
-
+    from tfstrat.bench import _netns as netns
     from tfstrat.bench import _report
 
     try:

@@ -17,9 +17,12 @@ which two CPUs set at a few hundred MB/s in total):
   alpha + S x beta), and its prediction for every row, so the table says where measurement and
   model part.
 
-Peers (OpenMPI's `Allreduce`, stock `MultiWorkerMirroredStrategy`, `ParameterServerStrategy`)
-and training rows are not part of this benchmark yet; a row says so rather than leaving them
-out silently.
+- **OpenMPI**: the same sizes with OpenMPI's `Allreduce` (mpi4py, `--mca btl tcp,self`;
+  `mpirun` in host 0's namespace, the other ranks started through an rsh agent that enters
+  theirs), when `mpirun` and mpi4py are installed; else a row says what to install.
+
+Stock `MultiWorkerMirroredStrategy` / `ParameterServerStrategy` and training rows are not part
+of this benchmark yet; its table says so.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class ClusterConfig:
     iters: int = 20
     seconds: float = 5.0  # per size: fewer calls (at least 3) once this has passed
     unshaped: bool = True  # also each N unshaped: the machine's own limit
+    peers: bool = True  # also OpenMPI's rows
     timeout: float = 120.0
     out: str = "bench-out"
 
@@ -89,6 +93,67 @@ def ring_row(net: _netns.Network, config: ClusterConfig) -> dict:
     }
 
 
+MPI_MISSING = (
+    "OpenMPI's Allreduce not run: {what} not found. Install it: apt-get install -y openmpi-bin "
+    "libopenmpi-dev; pip install 'tfstrat[bench]' (mpi4py)"
+)
+
+
+def mpi_row(net: _netns.Network, config: ClusterConfig) -> dict:
+    """OpenMPI's `Allreduce` (mpi4py) on the same hosts, TCP only: `mpirun` in host 0's
+    namespace, the other ranks started through an rsh agent that enters their namespaces."""
+    import importlib.util
+    import shutil
+    import tempfile
+
+    row = {"impl": "OpenMPI Allreduce", "hosts": net.hosts, "link": net.rate}
+    mpirun = shutil.which("mpirun")
+    missing = [w for w, ok in (("mpirun", mpirun), ("mpi4py", importlib.util.find_spec("mpi4py")))
+               if not ok]  # fmt: skip
+    if missing:
+        row["error"] = MPI_MISSING.format(what=" and ".join(missing))
+        return row
+    agent = os.path.join(tempfile.mkdtemp(prefix="tfstrat-mpi-"), "rsh")
+    with open(agent, "w") as f:  # `agent HOST COMMAND...`: HOST is node<i>, namespace <prefix>h<i>
+        f.write(
+            '#!/bin/sh\nhost="$1"; shift\n'
+            f'exec {_netns.IP} netns exec "{net.prefix}h${{host#node}}" '
+            f'{_netns.UNSHARE} --uts sh -c "hostname $host; $*"\n'
+        )
+    os.chmod(agent, 0o755)
+    worker = {"sizes": list(config.sizes), "iters": config.iters, "seconds": config.seconds}
+    argv = [
+        mpirun, "--allow-run-as-root", "-np", str(net.hosts),
+        "--host", ",".join(f"{name}:1" for name in net.names),
+        # every "node" is this machine: bound by default, each would take core 0
+        "--bind-to", "none",
+        "--mca", "plm_rsh_agent", agent, "--mca", "plm_rsh_no_tree_spawn", "1",
+        "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "eth0",
+        "--mca", "oob_tcp_if_include", "eth0",
+        # more hosts than cores: ranks that busy-poll would take turns by the scheduler's slice
+        *(["--mca", "mpi_yield_when_idle", "1"] if net.hosts > (os.cpu_count() or 1) else []),
+        "-x", "PYTHONPATH", "-x", "PATH",
+        sys.executable, "-m", "tfstrat.bench._cluster_mpi", json.dumps(worker),
+    ]  # fmt: skip
+    env = {"PYTHONPATH": _package_root(), "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+           "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}  # fmt: skip
+    before = net.counters()
+    task = net.start(0, argv, env=env, name="mpirun")
+    try:
+        net.wait([task], timeout=config.timeout + len(config.sizes) * (config.seconds + 30) * 2)
+    except _netns.TaskError as e:
+        row["error"] = f"mpirun failed: {str(e)[-600:]}"
+        return row
+    row["interface_bytes"] = _netns.counters_delta(before, net.counters())
+    result = _result(task)
+    row["mpi"] = result["mpi"].splitlines()[0]
+    row["sizes"] = [
+        {**s, "bus_bytes_per_s": bus_bytes(s["bytes"], net.hosts) / s["seconds"]}
+        for s in result["sizes"]
+    ]
+    return row
+
+
 def _package_root() -> str:
     import tfstrat
 
@@ -118,11 +183,16 @@ def model_terms(size: int, hosts: int) -> tuple[float, float]:
 
 
 def fit(row: dict) -> dict:
-    """alpha (s) and beta (s per byte) fitted by least squares on a ring row's sizes."""
+    """alpha (s) and beta (s per byte) fitted by least squares on a ring row's sizes (its
+    smallest, and 1 MiB and up)."""
     import numpy as np
 
-    terms = np.array([model_terms(s["bytes"], row["hosts"]) for s in row["sizes"]])
-    seconds = np.array([s["seconds"] for s in row["sizes"]])
+    # The smallest call (latency) and the calls of 1 MiB and up: a shaped link lets a burst
+    # (about 1 ms at its rate) through at full speed, which smaller calls would read as bandwidth.
+    sizes = [s for s in row["sizes"] if s["bytes"] == row["sizes"][0]["bytes"] or
+             s["bytes"] >= 1 << 20] or row["sizes"]  # fmt: skip
+    terms = np.array([model_terms(s["bytes"], row["hosts"]) for s in sizes])
+    seconds = np.array([s["seconds"] for s in sizes])
     # weighted by 1/time: small and large calls count alike
     weights = 1.0 / seconds
     (alpha, beta), *_ = np.linalg.lstsq(terms * weights[:, None], seconds * weights, rcond=None)
@@ -144,13 +214,19 @@ def run(config: ClusterConfig) -> list[dict]:
         for link in ([None] if config.unshaped else []) + [config.link]:
             with _netns.Network(hosts, rate=link, hostnames=True) as net:
                 logger.info("cluster: %d hosts, link %s", hosts, link or "unshaped")
-                row = ring_row(net, config)
-                row["machine"] = machine()
-                rows.append(row)
+                measured = [ring_row(net, config)]
+                if config.peers:
+                    measured.append(mpi_row(net, config))
+                for row in measured:
+                    row["machine"] = machine()
+                    rows.append(row)
     models = {}
-    for row in sorted(rows, key=lambda r: r["hosts"]):
+    rings = [r for r in rows if r["impl"] == "tfstrat ring"]
+    for row in sorted(rings, key=lambda r: r["hosts"]):
         models.setdefault(row["link"], fit(row))
     for row in rows:
+        if "error" in row:
+            continue
         model = models[row["link"]]
         row["model"] = model
         for s in row["sizes"]:
@@ -171,49 +247,69 @@ def _size(n: int) -> str:
 def table(rows: list[dict], config: ClusterConfig) -> str:
     from tfstrat.bench._report import markdown
 
-    headers = ["hosts", "link", "size", "ms per call", "bus MB/s", "of the link",
-               "model ms", "measured / model"]  # fmt: skip
-    body = []
-    for row in rows:
-        rate = _netns.rate_bits(row["link"]) / 8 if row["link"] else None
-        for s in row["sizes"]:
+    headers = ["hosts", "link", "size", "ring ms per call", "ring bus MB/s", "of the link",
+               "OpenMPI ms", "OpenMPI bus MB/s", "ring / OpenMPI (bus)", "model ms",
+               "ring / model (time)"]  # fmt: skip
+    body, notes = [], []
+    rings = [r for r in rows if r["impl"] == "tfstrat ring"]
+    for ring in rings:
+        peer = next((r for r in rows if r["impl"] != ring["impl"] and r["hosts"] == ring["hosts"]
+                     and r["link"] == ring["link"]), None)  # fmt: skip
+        mpi = peer["sizes"] if peer and "error" not in peer else [None] * len(ring["sizes"])
+        rate = _netns.rate_bits(ring["link"]) / 8 if ring["link"] else None
+        for s, m in zip(ring["sizes"], mpi):
             body.append([
-                row["hosts"], row["link"] or "unshaped", _size(s["bytes"]),
+                ring["hosts"], ring["link"] or "unshaped", _size(s["bytes"]),
                 f"{s['seconds'] * 1e3:.3f}", f"{s['bus_bytes_per_s'] / 1e6:.1f}",
                 f"{s['bus_bytes_per_s'] / rate:.0%}" if rate else "-",
+                f"{m['seconds'] * 1e3:.3f}" if m else "-",
+                f"{m['bus_bytes_per_s'] / 1e6:.1f}" if m else "-",
+                f"{s['bus_bytes_per_s'] / m['bus_bytes_per_s']:.2f}" if m else "-",
                 f"{s['predicted_seconds'] * 1e3:.3f}",
                 f"{s['seconds'] / s['predicted_seconds']:.2f}",
             ])  # fmt: skip
-    lines = [markdown(headers, body), ""]
-    for row in rows:
-        ring = sum(row["ring_bytes_sent"])
-        wire = sum(h["tx"] for h in row["interface_bytes"])
-        m = row["model"]
-        lines.append(
-            f"- {row['hosts']} hosts, {row['link'] or 'unshaped'}: the ring says it sent "
-            f"{ring / 1e6:.1f} MB, the hosts' interfaces sent {wire / 1e6:.1f} MB "
-            f"({wire / ring:.3f}x: TCP/IP headers and handshakes); model fitted on "
-            f"{m['hosts']} hosts: alpha {m['alpha_s'] * 1e6:.0f} us, "
+        sent = sum(ring["ring_bytes_sent"])
+        wire = sum(h["tx"] for h in ring["interface_bytes"])
+        m = ring["model"]
+        where = f"{ring['hosts']} hosts, {ring['link'] or 'unshaped'}"
+        notes.append(
+            f"- {where}: the ring says it sent {sent / 1e6:.1f} MB, the hosts' interfaces "
+            f"sent {wire / 1e6:.1f} MB ({wire / sent:.3f}x: TCP/IP headers and handshakes); "
+            f"model fitted on {m['hosts']} hosts: alpha {m['alpha_s'] * 1e6:.0f} us, "
             f"1/beta {1 / m['beta_s_per_byte'] / 1e6:.0f} MB/s."
         )
+        if peer is not None and "error" in peer:
+            notes.append(f"- {where}: {peer['error']}")
+        elif peer is not None:
+            mpi_wire = sum(h["tx"] for h in peer["interface_bytes"])
+            notes.append(f"- {where}: OpenMPI's run sent {mpi_wire / 1e6:.1f} MB on the "
+                         f"interfaces ({peer['mpi']}).")  # fmt: skip
     mach = rows[0]["machine"] if rows else {}
-    lines.append(
-        f"\ntfstrat's TCP ring (`Ring.all_reduce`, no TensorFlow), float32 SUM; each host a "
-        f"network namespace of one machine ({mach.get('cpu')}, {mach.get('cpus')} CPUs) on "
-        "a bridge, its link shaped both ways by tc tbf (no delay emulated); no shared memory "
-        "between hosts. ms per call: the slowest host's median. Bus MB/s: 2(N-1)/N x size / "
-        "time. 'unshaped': the same hosts without a rate, the machine's own limit. Model: "
-        "alpha-beta, fitted per link on the smallest host count. OpenMPI, stock TensorFlow "
-        "and training rows: not measured by this version of the benchmark."
+    notes.append(
+        f"\ntfstrat's TCP ring (`Ring.all_reduce`, no TensorFlow) and OpenMPI's `Allreduce` "
+        "(mpi4py; `--mca btl tcp,self`), float32 SUM, on the same hosts one after the other; "
+        f"each host a network namespace of one machine ({mach.get('cpu')}, {mach.get('cpus')} "
+        "CPUs) on a bridge, its link shaped both ways by tc tbf (no delay emulated); no shared "
+        "memory between hosts; with more hosts than CPUs, OpenMPI yields when idle "
+        "(`mpi_yield_when_idle`) and every process shares the CPUs, which adds latency to "
+        "both. A shaped link passes a burst of about 1 ms at full speed: a call smaller than "
+        "that can read above the link rate. ms per call: the slowest host's median. Bus MB/s: 2(N-1)/N x "
+        "size / time. 'unshaped': the same hosts without a rate, the machine's own limit. "
+        "Model: alpha-beta, fitted per link on the smallest host count. Stock TensorFlow and "
+        "training rows: not measured by this version of the benchmark."
     )
-    return "\n".join(lines)
+    return markdown(headers, body) + "\n\n" + "\n".join(notes)
 
 
 def _plot(ax, rows):
     for row in rows:
+        if "error" in row:
+            continue
         xs = [s["bytes"] for s in row["sizes"]]
         ys = [s["bus_bytes_per_s"] / 1e6 for s in row["sizes"]]
-        ax.plot(xs, ys, marker="o", label=f"{row['hosts']} hosts, {row['link'] or 'unshaped'}")
+        name = "ring" if row["impl"] == "tfstrat ring" else "OpenMPI"
+        ax.plot(xs, ys, marker="o" if name == "ring" else "x",
+                label=f"{name}, {row['hosts']} hosts, {row['link'] or 'unshaped'}")  # fmt: skip
     ax.set_xscale("log")
     ax.set_xlabel("bytes per all-reduce")
     ax.set_ylabel("bus MB/s")
