@@ -94,6 +94,42 @@ def test_sums_every_size_and_shape(n):
         r.close()
 
 
+@pytest.mark.parametrize("n", [3, 4])
+def test_a_small_vector_goes_around_whole_in_n_minus_1_rounds(n):
+    """3+ workers, a vector of at most 1 KiB: each worker's whole vector goes around the ring
+    with the blocks to gather (n-1 rounds, not 2(n-1)), and each adds them in rank order: the
+    exact sum in rank order on every worker; a larger vector takes the reduce-scatter."""
+    rings, _ = _rings(n)
+    rng = np.random.default_rng(7)
+    header = ring._HEADER.size + ring._SIZE.size  # one part a round
+    for size, rounds in ((4, n - 1), (1024, n - 1), (1028, 2 * (n - 1))):
+        xs = [rng.standard_normal(size // 4).astype(np.float32) for _ in range(n)]
+        before = [r.bytes_sent for r in rings]
+        outs, errors = _on_threads(lambda i, xs=xs: rings[i].all_reduce(xs[i]), n)
+        assert not any(errors), errors
+        expected = xs[0].copy()
+        for x in xs[1:]:
+            expected += x
+        for r, out, b in zip(rings, outs, before):
+            if rounds == n - 1:
+                np.testing.assert_array_equal(out, expected)  # rank order, bit for bit
+                assert r.bytes_sent - b == rounds * (header + size), (size, r.bytes_sent - b)
+            else:  # the ring's chunks: 2(n-1) rounds of about size/n each
+                assert r.bytes_sent - b < rounds * header + 2 * size, (size, r.bytes_sent - b)
+            np.testing.assert_array_equal(out.view(np.uint32), outs[0].view(np.uint32))
+    # with blocks to gather riding along
+    blocks = [np.full((i + 1, 2), i, np.float32) for i in range(n)]
+    outs, errors = _on_threads(
+        lambda i: rings[i].exchange(np.full(3, i + 1.0, np.float32), [blocks[i]]), n
+    )
+    assert not any(errors), errors
+    for summed, (gathered,) in outs:
+        np.testing.assert_array_equal(summed, np.full(3, n * (n + 1) / 2, np.float32))
+        np.testing.assert_array_equal(gathered, np.concatenate(blocks, axis=0))
+    for r in rings:
+        r.close()
+
+
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_all_gather_stacks_every_workers_block_by_rank(n):
     rings, errors = _rings(n)

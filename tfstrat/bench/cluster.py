@@ -14,8 +14,8 @@ which two CPUs set at a few hundred MB/s in total):
   hosts' interfaces counted.
 - **model**: an alpha-beta model fitted on the smallest N's ring row of each link (a call of S
   bytes over N hosts takes 2(N-1) x alpha + 2(N-1)/N x S x beta; two hosts exchange in one round:
-  alpha + S x beta), and its prediction for every row, so the table says where measurement and
-  model part.
+  alpha + S x beta; a vector of 1 KiB or less goes around whole: (N-1) x (alpha + S x beta)),
+  and its prediction for every row, so the table says where measurement and model part.
 
 - **OpenMPI**: the same sizes with OpenMPI's `Allreduce` (mpi4py, `--mca btl tcp,self`;
   `mpirun` in host 0's namespace, the other ranks started through an rsh agent that enters
@@ -176,9 +176,14 @@ def bus_bytes(size: int, hosts: int) -> float:
 
 def model_terms(size: int, hosts: int) -> tuple[float, float]:
     """(latency steps, bytes on the wire per host) of one call: tfstrat's two hosts exchange
-    in one round; N >= 3 run the ring's 2(N-1) steps of size/N each."""
+    in one round; N >= 3 run the ring's 2(N-1) steps of size/N each, or, for a vector of at
+    most 1 KiB, N-1 steps of the whole vector (`Ring._ring_small`)."""
+    from tfstrat.reduce.ring import _SMALL_VECTOR
+
     if hosts == 2:
         return 1.0, float(size)
+    if size <= _SMALL_VECTOR:
+        return float(hosts - 1), float((hosts - 1) * size)
     return 2.0 * (hosts - 1), bus_bytes(size, hosts)
 
 

@@ -14,7 +14,9 @@ any number of blocks of rows to gather (sparse gradients), so a step waits for i
   each copies it into its own memory file, the TCP connection carries only the header, and
   each sums straight from the other's memory.
 - **3+ workers**: the classic ring (reduce-scatter, then all-gather: each worker sends
-  2(n-1)/n of the vector); the blocks travel with the reduce-scatter's messages.
+  2(n-1)/n of the vector); the blocks travel with the reduce-scatter's messages. A vector of
+  1 KiB or less (flags, counts, a step's extras) goes around whole with the blocks instead:
+  n-1 rounds instead of 2(n-1), each worker adding the n vectors in rank order.
 
 One thread does it all with non-blocking sockets (poll: send what the kernel takes, receive
 what has come, sum what is complete), so no thread hand-off sits on a step's path and the sum
@@ -53,6 +55,11 @@ _HELLO = struct.Struct("!II")  # sender rank, group size
 # A message at least this large is sent by a thread while the caller receives (measured with
 # `tfstrat bench allreduce`: below it, one thread is as fast or faster).
 _THREAD_BYTES = 1 << 22
+# 3+ workers: a vector to sum of at most this many bytes goes around the ring whole, in n-1
+# rounds instead of 2(n-1) (`Ring._ring_small`). The rounds' latency dominates below it:
+# measured with `tfstrat bench cluster` (a round takes 25-500 us with 2-16 hosts on 2 CPUs), the
+# extra bytes ((n-1) x the vector instead of 2(n-1)/n x) cost less up to 1 KiB at 200 Mbit/s.
+_SMALL_VECTOR = 1 << 10
 # Sums are done in pieces of at least this many bytes as they arrive (fewer numpy calls).
 _SUM_PIECE = 1 << 18
 # Seconds a connection to the ring's listener has to prove it is the previous worker.
@@ -295,6 +302,8 @@ class Ring:
     def _ring(self, reduce, gathers):
         """3+ workers: reduce-scatter then all-gather around the ring; the blocks to gather
         ride with the reduce-scatter's messages (each goes n-1 hops)."""
+        if reduce is not None and reduce.nbytes <= _SMALL_VECTOR:
+            return self._ring_small(reduce, gathers)
         n, r = self.size, self.rank
         blocks = [[None] * n for _ in gathers]
         for b, g in zip(blocks, gathers):
@@ -328,6 +337,34 @@ class Ring:
                 self._duplex([_bytes_of(chunk(summed, r + 1 - step))], [_Into(target)])
             summed = summed.reshape(reduce.shape)
         return summed, [np.concatenate(b, axis=0) for b in blocks]
+
+    def _ring_small(self, reduce, gathers):
+        """3+ workers, a small vector: every worker's whole vector goes around the ring with
+        the blocks, in n-1 rounds instead of reduce-scatter's and all-gather's 2(n-1) (which a
+        vector this small spends waiting on each round's latency), and each worker adds the n
+        vectors in rank order: the same bits on every worker."""
+        n, r = self.size, self.rank
+        flat = reduce.reshape(-1)
+        vectors = [None] * n
+        vectors[r] = flat
+        blocks = [[None] * n for _ in gathers]
+        for b, g in zip(blocks, gathers):
+            b[r] = g
+        for step in range(n - 1):
+            incoming = (r - step - 1) % n
+            vectors[incoming] = np.empty_like(flat)
+            parts = [_bytes_of(vectors[(r - step) % n])]
+            parts += [_bytes_of(b[(r - step) % n]) for b in blocks]
+            receive = [_Into(vectors[incoming])]
+            receive += [_Rows(g, None, None, self.max_block) for g in gathers]
+            self._duplex(parts, receive)
+            for b, target in zip(blocks, receive[1:]):
+                b[incoming] = target.result()
+        summed = self._results.get(flat.shape, flat.dtype)
+        np.copyto(summed, vectors[0])
+        for v in vectors[1:]:
+            np.add(summed, v, out=summed)
+        return summed.reshape(reduce.shape), [np.concatenate(b, axis=0) for b in blocks]
 
     def _scratch(self, shape, dtype) -> np.ndarray:
         """The receive buffer, kept between calls (fresh memory would be page-faulted in every
