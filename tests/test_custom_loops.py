@@ -82,10 +82,12 @@ def test_tutorial_loops_equal_one_device(request, tmp_path, strategy, workers, p
     sparse = strategy.startswith("model-parallel")
     reference = request.getfixturevalue("sparse_reference" if sparse else "reference")
     reports = _run(tmp_path, strategy, workers, ps)
-    # Each worker is a replica (ParameterServer sync too); a mesh counts its devices.
-    replicas = 4 if strategy == "model-parallel-workers" else 2  # its mesh is (2, 2)
-    local = {"mirrored": 2, "model-parallel": 2, "model-parallel-workers": 2}.get(strategy, 1)
-    per_replica = 16 if strategy == "model-parallel" else 8  # the global batch is 16
+    # Each worker is a replica (ParameterServer sync too); a mesh counts its devices: (2, 2)
+    # in one process (with FSDP: the table, the kernels sharded over the batch axis too) and
+    # over 2 workers.
+    replicas = 4 if strategy.startswith("model-parallel") else 2
+    local = {"mirrored": 2, "model-parallel": 4, "model-parallel-workers": 2}.get(strategy, 1)
+    per_replica = 8  # the global batch is 16, over 2 workers or 2 slices of the batch axis
     for task, report in reports.items():
         assert report["num_replicas_in_sync"] == replicas, task
         _equal(report, reference, ALL)
@@ -93,7 +95,7 @@ def test_tutorial_loops_equal_one_device(request, tmp_path, strategy, workers, p
         # order (the whole batch; under ModelParallel each slice once per device of its group)
         labels = reference["dataset"]["gathered_labels"]
         if strategy.startswith("model-parallel"):
-            slices = 1 if strategy == "model-parallel" else 2  # the mesh's batch axis
+            slices = 2  # the mesh's batch axis
             n = len(labels) // slices
             labels = [v for k in range(slices) for v in labels[k * n : (k + 1) * n] * 2]
         assert report["dataset"]["gathered_labels"] == labels, task

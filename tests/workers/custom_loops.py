@@ -62,16 +62,19 @@ def make_strategy(name):
     if name == "localsgd-k":
         return tfstrat.LocalSGD(sync_every=3, timeout=60)
     if name.startswith("model-parallel"):
-        if name == "model-parallel":  # one process of two logical CPUs
-            tfstrat.split_cpu(2)
-            mesh = tfstrat.DeviceMesh((1, 2), ["batch", "model"], devices=["CPU:0", "CPU:1"])
+        if name == "model-parallel":  # one process of four logical CPUs, FSDP too
+            tfstrat.split_cpu(4)
+            mesh = tfstrat.DeviceMesh((2, 2), ["batch", "model"])
+            fsdp = "batch"
         else:  # model-parallel-workers: the batch across 2 workers, the model over 2 CPUs each
             tfstrat.split_cpu(2)
             mesh = tfstrat.DeviceMesh((2, 2), ["batch", "model"])
+            fsdp = None  # across workers: not yet
         layout = tfstrat.LayoutMap(mesh)
-        layout["hidden/kernel"] = (None, "model")  # column-parallel
+        layout["tokens/embeddings"] = (fsdp, None)  # the table's rows over the batch axis
+        layout["hidden/kernel"] = (fsdp, "model")  # column-parallel
         layout["hidden/bias"] = ("model",)
-        layout["logits/kernel"] = ("model", None)  # row-parallel
+        layout["logits/kernel"] = ("model", fsdp)  # row-parallel
         return tfstrat.ModelParallel(layout_map=layout, batch_dim_name="batch")
     raise SystemExit(f"unknown strategy {name!r}")
 

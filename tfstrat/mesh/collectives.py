@@ -79,18 +79,21 @@ def _mesh() -> Mesh:
     return strategy.extended._tfstrat_mesh
 
 
-def _over_model_group(x, combine):
+def _over_model_group(x, combine, data: bool = False):
     """`combine(replica, parts)` on each replica's device, where `parts` are `x` of the
-    replicas of its model group, by model coordinate; each replica gets its own result."""
+    replicas of its model group, by model coordinate (`data`: of its data group, by batch
+    coordinate; one process holds the mesh's devices then); each replica gets its own
+    result."""
     context = tf.distribute.get_replica_context()
     mesh = _mesh()
+    group_of = mesh.data_group if data else mesh.model_group
 
     def merge(strategy, value):
         parts = value.values  # this process's replicas'
         out = []
         for k, replica in enumerate(mesh.local):
             with tf.device(mesh.local_devices[k]):
-                group = [parts[mesh.position(g)] for g in mesh.model_group(replica)]
+                group = [parts[mesh.position(g)] for g in group_of(replica)]
                 out.append(combine(replica, group))
         return tf_values.PerReplica(out)
 
@@ -222,28 +225,9 @@ def split(x, axis: int):
 # --- the batch axis inside a step: FSDP's all-gather and reduce-scatter --------------------
 
 
-def _over_data_group(x, combine):
-    """`combine(replica, parts)` on each replica's device, where `parts` are `x` of the
-    replicas of its data group (one process: the mesh's devices are all here), by batch
-    coordinate; each replica gets its own result."""
-    context = tf.distribute.get_replica_context()
-    mesh = _mesh()
-
-    def merge(strategy, value):
-        parts = value.values
-        out = []
-        for k, r in enumerate(mesh.local):
-            with tf.device(mesh.local_devices[k]):
-                group = [parts[mesh.position(g)] for g in mesh.data_group(r)]
-                out.append(combine(r, group))
-        return tf_values.PerReplica(out)
-
-    return context.merge_call(merge, args=(x,))
-
-
 def data_sum(x):
     """The sum of `x` over the data group, outside any gradient (a step's norms)."""
-    return _over_data_group(x, lambda _, parts: tf.add_n([tf.identity(p) for p in parts]))
+    return _over_model_group(x, lambda _, parts: tf.add_n([tf.identity(p) for p in parts]), True)
 
 
 def _weighted(dy):
@@ -273,14 +257,16 @@ def gather_batch(x, axis: int):
         traffic = _traffic()
         if traffic is not None and replica() == mesh.local[0]:
             traffic.add("batch axis", t, parts - 1)
-        whole = _over_data_group(t, lambda _, group: tf.concat(group, axis))
+        whole = _over_model_group(t, lambda _, group: tf.concat(group, axis), data=True)
 
         def grad(dy):
             if isinstance(dy, tf.IndexedSlices):  # a table's rows: kept as rows
                 dy = tf.IndexedSlices(_weighted(dy.values), dy.indices, dy.dense_shape)
                 if traffic is not None and replica() == mesh.local[0]:
                     traffic.add("batch axis", dy, parts - 1)
-                return _over_data_group(dy, lambda r, group: _rows_block(group, r, t, axis))
+                return _over_model_group(
+                    dy, lambda r, group: _rows_block(group, r, t, axis), data=True
+                )
             # the gradient can lose its static shape (a Dense kernel's on 3-D inputs)
             dy = _weighted(tf.ensure_shape(tf.convert_to_tensor(dy), whole.shape))
             if traffic is not None and replica() == mesh.local[0]:
@@ -293,8 +279,8 @@ def gather_batch(x, axis: int):
 
             if _data_exchange() == "nccl":  # GPUs: one NCCL all-reduce per data group
                 return block(replica(), _nccl_data_sum(dy))
-            return _over_data_group(
-                dy, lambda r, group: block(r, tf.add_n([tf.identity(g) for g in group]))
+            return _over_model_group(
+                dy, lambda r, group: block(r, tf.add_n([tf.identity(g) for g in group])), True
             )
 
         return whole, grad

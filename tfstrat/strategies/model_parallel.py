@@ -301,6 +301,19 @@ class _OnMesh:
                     next(iter(self.planned), "dense/kernel"),
                 )
 
+    def _tfstrat_check_apply(self, optimizer, variables) -> None:
+        """A custom loop's optimizer (`fit` hands its own to `run`, which takes it over before
+        its step is traced): at its first `apply`, its gradients are reduced and clipped as
+        under `fit`: a block of a variable sharded over the batch axis arrives summed by its
+        reduce-scatter and is left out of the step's sum, and clipping norms run over every
+        part and block."""
+        from tfstrat.strategies import _common
+
+        inner = getattr(optimizer, "inner_optimizer", optimizer)
+        if not getattr(inner, "_tfstrat_clipping", False):
+            replicas = self.num_replicas_in_sync
+            _common._take_over_clipping(inner, None, replicas, self._tfstrat_square_norms)
+
     def _tfstrat_square_norms(self, grads, variables) -> list:
         """Each gradient's squared norm for clipping: a sharded variable's is its blocks' sum,
         over the batch axis (FSDP), then over the model axis."""
