@@ -233,13 +233,11 @@ def data_sum(x):
 def _weighted(dy):
     """`dy` weighted as the step's exact rule weighs a replica's gradient before the step's
     sum (`tfstrat.strategies._exact_step`): by R n_r when Keras scaled this step's loss."""
-    from tfstrat.runtime.step import _step
+    from tfstrat.runtime.step import row_weight
 
-    if _step.rows is None or not _step.scaled:
-        return dy
-    replicas = tf.distribute.get_strategy().num_replicas_in_sync
-    weight = tf.cast(_step.rows, dy.dtype) * replicas
-    return tf.math.multiply_no_nan(dy, weight)  # a replica without rows: weight 0
+    weight = row_weight(tf.distribute.get_strategy().num_replicas_in_sync, dy.dtype)
+    # a replica without rows: weight 0
+    return dy if weight is None else tf.math.multiply_no_nan(dy, weight)
 
 
 def gather_batch(x, axis: int):

@@ -414,13 +414,13 @@ class RemoteTable:
         """(grads * R n_r, n_r) when Keras scaled this step's loss, else (grads, None)."""
         # Read while the backward pass is traced inside the replica's train_step, where
         # `_exact_step` has recorded the replica's rows and whether Keras scaled its loss.
-        from tfstrat.runtime.step import _step
+        from tfstrat.runtime.step import _step, row_weight
 
-        if _step.rows is None or not _step.scaled:
+        weight = row_weight(self.replicas, grads.dtype)
+        if weight is None:
             return grads, None
-        rows = tf.cast(_step.rows, grads.dtype)
         # multiply_no_nan: a replica without rows pushes no ids; its weight is 0.
-        return tf.math.multiply_no_nan(grads, rows * self.replicas), rows
+        return tf.math.multiply_no_nan(grads, weight), tf.cast(_step.rows, grads.dtype)
 
 
 def _in_replica_graph() -> bool:

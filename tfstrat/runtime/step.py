@@ -27,3 +27,14 @@ class _Step(threading.local):
 
 
 _step = _Step()
+
+
+def row_weight(replicas: int, dtype):
+    """This replica's weight R n_r for a gradient summed inside the step's backward pass (as
+    `tfstrat.strategies._exact_step` weighs the step's sum), or None when Keras scaled no loss
+    in this step (the gradient is summed as it is)."""
+    if _step.rows is None or not _step.scaled:
+        return None
+    import tensorflow as tf
+
+    return tf.cast(_step.rows, dtype) * replicas

@@ -29,17 +29,17 @@ def _square_norm(g):
     return tf.reduce_sum(tf.square(tf.cast(values, tf.float32)))
 
 
-def clip_aggregated(optimizer, grads, square_norms=None):
+def clip_aggregated(optimizer, grads, square_norms=None, dense_rows: bool = False):
     """Applies `optimizer`'s clipnorm / global_clipnorm / clipvalue to all-reduced `grads`;
-    `square_norms(grads)` gives each gradient's squared norm (None: computed here). A strategy
-    whose devices hold parts of a variable (ModelParallel) passes its own, which sums the
-    parts' over them; its row gradients are one device's (repeats apart), so they are scaled as
-    Keras scales them on one device: made dense."""
+    `square_norms(grads)` gives each gradient's squared norm (None: computed here; a strategy
+    whose devices hold parts of a variable sums the parts' over them). `dense_rows`: row
+    gradients arrive as one device's (ModelParallel: repeats apart), and are scaled as Keras
+    scales them on one device, made dense (the others' are deduplicated: kept as rows)."""
     scale = sparse.scale
+    if dense_rows:
+        scale = lambda g, s: tf.convert_to_tensor(g) * s  # noqa: E731
     if square_norms is None:
         square_norms = lambda gs: [None if g is None else _square_norm(g) for g in gs]  # noqa: E731
-    else:
-        scale = lambda g, s: tf.convert_to_tensor(g) * s  # noqa: E731
     if optimizer.clipnorm and optimizer.clipnorm > 0:
         c = optimizer.clipnorm
         return [
@@ -63,7 +63,7 @@ def clip_aggregated(optimizer, grads, square_norms=None):
     return grads
 
 
-def _take_over_clipping(optimizer, stop, replicas, square_norms=None):
+def _take_over_clipping(optimizer, stop, replicas, square_norms=None, dense_rows=False):
     reduce_sum = _exact_step.step_reduce(
         optimizer._all_reduce_sum_gradients, stop, replicas, getattr(optimizer, "iterations", None)
     )
@@ -73,7 +73,7 @@ def _take_over_clipping(optimizer, stop, replicas, square_norms=None):
         norms = None
         if square_norms is not None:
             norms = lambda grads: square_norms(grads, [v for _, v in pairs])  # noqa: E731
-        grads = clip_aggregated(optimizer, [g for g, _ in pairs], norms)
+        grads = clip_aggregated(optimizer, [g for g, _ in pairs], norms, dense_rows)
         return [(g, v) for g, (_, v) in zip(grads, pairs, strict=True)]
 
     optimizer._clip_gradients = lambda grads: grads
@@ -115,7 +115,8 @@ class AdoptsKerasOptimizers:
         inner = getattr(optimizer, "inner_optimizer", optimizer)  # LossScaleOptimizer's
         if isinstance(inner, Optimizer) and not getattr(inner, "_tfstrat_clipping", False):
             square_norms = getattr(self, "_tfstrat_square_norms", None)
-            _take_over_clipping(inner, stop, self.num_replicas_in_sync, square_norms)
+            dense_rows = getattr(self, "_tfstrat_dense_rows", False)
+            _take_over_clipping(inner, stop, self.num_replicas_in_sync, square_norms, dense_rows)
         if getattr(fn, "__name__", "") == "train_step" and hasattr(model, "metrics"):
             if stop is not None:
                 stop.attach(model)

@@ -212,6 +212,8 @@ class _OnMesh:
     input and results (the strategy's `mesh`, `layout_map`, `planned`)."""
 
     mesh = None  # until set up (a multi-worker start-up runs collectives before)
+    # Row gradients are concatenated, as one device's: clipping scales them as Keras does.
+    _tfstrat_dense_rows = True
 
     def _mesh_setup(self, mesh, layout_map) -> None:
         if mesh.model_axis is None and layout_map is not None and len(layout_map):
@@ -312,7 +314,8 @@ class _OnMesh:
         inner = getattr(optimizer, "inner_optimizer", optimizer)
         if not getattr(inner, "_tfstrat_clipping", False):
             replicas = self.num_replicas_in_sync
-            _common._take_over_clipping(inner, None, replicas, self._tfstrat_square_norms)
+            norms = self._tfstrat_square_norms
+            _common._take_over_clipping(inner, None, replicas, norms, self._tfstrat_dense_rows)
 
     def _tfstrat_square_norms(self, grads, variables) -> list:
         """Each gradient's squared norm for clipping: a sharded variable's is its blocks' sum,
