@@ -297,6 +297,10 @@ if "checkpoint" in CASES:
     model, optimizer = build(adagrad)  # as a restarted job would
     _, step = trainer(model, optimizer)
     checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
+    if not strategy.extended.should_checkpoint:
+        # A worker that restores late: the chief's first step waits for it, and no write of
+        # that step (the iteration counter's neither) may land before this restore does.
+        time.sleep(1.0)
     checkpoint.restore(wait_for_checkpoint(os.path.join(args.out, "ckpt")))
     restored = weights(model)
     losses += epochs(step, distributed, n=1)

@@ -589,7 +589,11 @@ class ParameterServer(distribute_lib.Strategy):
                 done, agreed = sync.finish([delivered])
             else:
                 averaged, agreed = sync.aggregate(tf_pairs, delivered)
-                original([g for g, _ in averaged], [v for _, v in pairs])
+                # Every write of the step after the wait, the iteration counter's too: it
+                # depends on no gradient, so it ran as soon as the step began, where a
+                # worker's read (or a late worker's checkpoint restore) could cross it.
+                with tf.control_dependencies([agreed]):
+                    original([g for g, _ in averaged], [v for _, v in pairs])
                 # Reads ordered after every update: publish only once the step is applied.
                 applied = [optimizer.iterations.value.read_value()]
                 applied += [v.value.is_initialized() for _, v in pairs]
