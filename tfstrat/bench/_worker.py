@@ -206,6 +206,16 @@ def _build(keras, config: dict):
 def _model(keras, name: str, image: int):
     if name == "resnet50":
         return keras.applications.ResNet50(weights=None, input_shape=(image, image, 3), classes=10)
+    if name == "mlp":  # 1.84M weights (7.4 MB of gradients a step): `bench cluster`'s dense row
+        return keras.Sequential(
+            [
+                keras.Input((image, image, 3)),
+                keras.layers.Flatten(),
+                keras.layers.Dense(512, activation="relu"),
+                keras.layers.Dense(512, activation="relu"),
+                keras.layers.Dense(10),
+            ]
+        )
     if name == "wide":  # ~10.5M weights (42 MB of gradients a step): bound by the link
         return keras.Sequential(
             [
@@ -336,6 +346,14 @@ def main(config: dict) -> dict:
         def on_train_end(self, logs=None):
             self.per_step = (ring.bytes_sent - self.start) / (steps * repeats)
 
+    class Marks(keras.callbacks.Callback):  # for a driver that reads counters outside
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == chunks:
+                print("TIMED-BEGIN", flush=True)
+
+        def on_train_end(self, logs=None):
+            print("TIMED-END", flush=True)
+
     from tfstrat.runtime.traffic import tcp_bytes
 
     curve, clock, traffic, ring_bytes = Curve(), Clock(), Traffic(), RingBytes()
@@ -347,6 +365,7 @@ def main(config: dict) -> dict:
         tcp_bytes = lambda ports: (_sent_bytes() + shared(),)  # noqa: E731
     callbacks = [curve, clock] + ([traffic] if ps_ports or local_sgd else [])
     callbacks += [ring_bytes] if ring is not None and not local_sgd else []
+    callbacks += [Marks()] if os.environ.get("TFSTRAT_BENCH_MARKS") else []
     model.fit(
         data,
         steps_per_epoch=steps // chunks,

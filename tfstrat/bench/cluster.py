@@ -21,8 +21,10 @@ which two CPUs set at a few hundred MB/s in total):
   `mpirun` in host 0's namespace, the other ranks started through an rsh agent that enters
   theirs), when `mpirun` and mpi4py are installed; else a row says what to install.
 
-Stock `MultiWorkerMirroredStrategy` / `ParameterServerStrategy` and training rows are not part
-of this benchmark yet; its table says so.
+- **training** (`_cluster_train`): Keras `fit` of a link-bound MLP, CollectiveAllReduce
+  against stock `MultiWorkerMirroredStrategy`; and of a sparse model with a dense part, Hybrid
+  against tfstrat's ParameterServer and stock `ParameterServerStrategy` (tf-keras) with 1-2 ps
+  tasks; examples/s, the busiest host's bytes a step, and (dense) the model's prediction.
 """
 
 from __future__ import annotations
@@ -52,6 +54,12 @@ class ClusterConfig:
     peers: bool = True  # also OpenMPI's rows
     timeout: float = 120.0
     out: str = "bench-out"
+    training: tuple[str, ...] = ("dense", "sparse")  # `_cluster_train`'s workloads; () for none
+    ps: tuple[int, ...] = (1, 2)  # the sparse rows' ps tasks
+    train_steps: int = 10  # per timed epoch, after a warm-up epoch
+    train_repeats: int = 2  # timed epochs
+    train_rows: tuple[str, ...] = ()  # only these row ids (all: empty)
+    train_timeout: float = 900.0
 
 
 def machine() -> dict:
@@ -236,10 +244,106 @@ def run(config: ClusterConfig) -> list[dict]:
         row["model"] = model
         for s in row["sizes"]:
             s["predicted_seconds"] = predict(model, s["bytes"], row["hosts"])
+    trained = train(config, models)
     from tfstrat.bench import _report
 
-    _report.write(config.out, "cluster", rows, table(rows, config), _plot)
-    return rows
+    text = table(rows, config) + ("\n\n" + train_table(trained, config) if trained else "")
+    _report.write(config.out, "cluster", rows + trained, text, _plot)
+    return rows + trained
+
+
+def train(config: ClusterConfig, models: dict) -> list[dict]:
+    """The training rows (`_cluster_train`), each on its own hosts, under the link (and
+    unshaped first, with `config.unshaped`); dense rows get the ring model's prediction."""
+    from tfstrat.bench import _cluster_train as ct
+
+    plan = ct.rows(config.hosts, config.ps, config.training)
+    if config.train_rows:
+        plan = [r for r in plan if r.id in config.train_rows]
+    out = []
+    for row in plan:
+        for link in ([None] if config.unshaped else []) + [config.link]:
+            with _netns.Network(row.hosts, rate=link, hostnames=True) as net:
+                logger.info("cluster: %s (%s), link %s", row.id, row.label, link or "unshaped")
+                result = ct.run_row(net, row, steps=config.train_steps,
+                                    repeats=config.train_repeats, timeout=config.train_timeout,
+                                    package_root=_package_root())  # fmt: skip
+            entry = {"impl": "training", **dataclasses.asdict(row), "hosts": row.hosts,
+                     "link": link, "machine": machine(), **result}  # fmt: skip
+            logger.info("cluster: %s: %s", row.id, _speed(entry))
+            out.append(entry)
+    for entry in out:  # the dense rows: compute (unshaped, less its all-reduce) + the all-reduce
+        if entry["workload"] != "dense" or "error" in entry or entry["link"] not in models:
+            continue
+        base = next((e for e in out if e["id"] == entry["id"] and e["link"] is None
+                     and "error" not in e), None)  # fmt: skip
+        if base is None or None not in models:
+            continue
+        n = entry["workers"]
+        compute = 1 / base["steps_per_s"] - predict(models[None], ct.DENSE_BYTES, n)
+        step = max(compute, 0.0) + predict(models[entry["link"]], ct.DENSE_BYTES, n)
+        entry["predicted_examples_per_s"] = entry["global_batch"] / step
+    return out
+
+
+def _speed(entry: dict) -> str:
+    if "error" in entry:
+        return f"failed: {entry['error']}"
+    return f"{entry['examples_per_s']:,.0f} ex/s"
+
+
+def train_table(rows: list[dict], config: ClusterConfig) -> str:
+    from tfstrat.bench import _cluster_train as ct
+    from tfstrat.bench._report import markdown
+
+    headers = ["row", "model", "strategy", "workers", "ps", "link", "examples/s (min-max)",
+               "against", "first epoch s", "busiest host MB/step", "link share", "model ex/s"]  # fmt: skip
+    peers = {"D-CAR": ["D-MWMS"], "S-H": ["S-SPS", "S-PS"]}
+    body = []
+    for r in rows:
+        rate = _netns.rate_bits(r["link"]) / 8 if r["link"] else None
+        cells = [r["id"], r["workload"], r["label"], r["workers"], r["ps"], r["link"] or "unshaped"]
+        if "error" in r:
+            body.append(cells + [f"failed: {r['error'][:120]}"] + ["-"] * 5)
+            continue
+        against = []
+        kind, _, tail = r["id"].partition("-")
+        kind = f"{kind}-{tail.split('-')[0]}"
+        for peer in peers.get(kind, []):
+            other = next((o for o in rows if o["id"] == r["id"].replace(kind, peer)
+                          and o["link"] == r["link"] and "error" not in o), None)  # fmt: skip
+            if other:
+                against.append(f"{r['examples_per_s'] / other['examples_per_s']:.2f}x {peer}")
+        share = ct.link_share(r, rate)
+        step_bytes = r["busiest_bytes_per_example"] * r["global_batch"]
+        predicted = r.get("predicted_examples_per_s")
+        cells += [
+            f"{r['examples_per_s']:,.0f} ({r['examples_per_s_min']:,.0f}-"
+            f"{r['examples_per_s_max']:,.0f})",
+            ", ".join(against) or "-",
+            f"{r['warmup_s']:.1f}",
+            f"{step_bytes / 1e6:.2f}",
+            f"{share:.0%}" if share is not None else "-",
+            f"{predicted:,.0f}" if predicted else "-",
+        ]
+        body.append(cells)
+    mach = rows[0]["machine"] if rows else {}
+    return markdown(headers, body) + (
+        "\n\nTraining rows: Keras `fit` (`tfstrat.bench._worker`), one task per host, 1 thread "
+        "in each of TensorFlow's pools, the BFC CPU allocator for every row (stock ones too); "
+        f"{config.train_repeats} timed epochs of {config.train_steps} steps after a warm-up "
+        "epoch, median. Dense: a 1.84M-weight MLP (7.4 MB of gradients a step), 64 examples "
+        "per worker a step. Sparse: a 200,000 x 64 table (Zipf ids) and 0.57M dense weights, 64 "
+        "examples per worker a step; stock ParameterServerStrategy is asynchronous (its "
+        "examples/s: every worker's steps), its coordinator on one more host; tfstrat's "
+        "ParameterServer is synchronous. Busiest host MB/step: the most one host's interface "
+        "sent or received in the timed epochs, per step of the global batch; link share: that at the link's rate against the measured time (100%: "
+        "the link is the limit). Model ex/s (dense): the unshaped row's compute (its time less "
+        "the ring model's all-reduce) plus the ring model's all-reduce of "
+        f"{ct.DENSE_BYTES / 1e6:.1f} MB at the link. First epoch: the warm-up epoch's seconds "
+        f"(tracing, first collectives). Machine: {mach.get('cpu')}, {mach.get('cpus')} CPUs "
+        "shared by every task."
+    )
 
 
 def _size(n: int) -> str:
@@ -300,15 +404,14 @@ def table(rows: list[dict], config: ClusterConfig) -> str:
         "both. A shaped link passes a burst of about 1 ms at full speed: a call smaller than "
         "that can read above the link rate. ms per call: the slowest host's median. Bus MB/s: 2(N-1)/N x "
         "size / time. 'unshaped': the same hosts without a rate, the machine's own limit. "
-        "Model: alpha-beta, fitted per link on the smallest host count. Stock TensorFlow and "
-        "training rows: not measured by this version of the benchmark."
+        "Model: alpha-beta, fitted per link on the smallest host count."
     )
     return markdown(headers, body) + "\n\n" + "\n".join(notes)
 
 
 def _plot(ax, rows):
     for row in rows:
-        if "error" in row:
+        if "error" in row or row["impl"] == "training":
             continue
         xs = [s["bytes"] for s in row["sizes"]]
         ys = [s["bus_bytes_per_s"] / 1e6 for s in row["sizes"]]

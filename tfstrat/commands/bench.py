@@ -141,9 +141,25 @@ def _cluster(args) -> int:
         print(f"tfstrat bench cluster: {e} (--hosts {args.hosts!r}, --link {args.link!r})",
               file=sys.stderr)  # fmt: skip
         return _args.EXIT_USAGE
-    sizes = dict(sizes=tuple(QUICK_SIZES), iters=5, seconds=1.0) if args.quick else {}
     try:
-        run_cluster(ClusterConfig(hosts=hosts, link=args.link, out=args.out, **sizes))
+        training = tuple(_args.csv(args.training)) if args.training != "none" else ()
+        unknown = set(training) - {"dense", "sparse"}
+        if unknown:
+            raise ValueError(f"unknown training rows {sorted(unknown)}; use dense, sparse or none")
+        ps = tuple(int(p) for p in _args.csv(args.ps))
+    except ValueError as e:
+        print(f"tfstrat bench cluster: {e} (--training {args.training!r}, --ps {args.ps!r})",
+              file=sys.stderr)  # fmt: skip
+        return _args.EXIT_USAGE
+    options = dict(training=training, ps=ps, train_steps=args.steps, train_repeats=args.repeats,
+                   train_rows=tuple(_args.csv(args.rows)) if args.rows else ())  # fmt: skip
+    if args.quick:  # the smallest cluster of each kind, few calls and steps; peers included
+        options.update(sizes=tuple(QUICK_SIZES), iters=5, seconds=1.0, ps=ps[:1],
+                       train_steps=5, train_repeats=1, hosts=hosts[:1])  # fmt: skip
+    else:
+        options["hosts"] = hosts
+    try:
+        run_cluster(ClusterConfig(link=args.link, out=args.out, **options))
     except _netns.Unavailable as e:
         print(f"tfstrat bench cluster: {e}", file=sys.stderr)
         return _args.EXIT_USAGE
@@ -184,6 +200,15 @@ def add_parser(sub) -> None:
         default=_args.env("link", "1gbit"),
         help="cluster: each host's link rate, both ways, as tc writes it (1gbit, 200mbit)",
     )
+    g.add_argument(
+        "--training",
+        default=_args.env("training", "dense,sparse"),
+        help="cluster: training rows, dense (CollectiveAllReduce vs stock MultiWorkerMirrored) "
+        "and/or sparse (Hybrid vs tfstrat's and stock ParameterServer), or none",
+    )
+    g.add_argument(
+        "--ps", default=_args.env("ps", "1,2"), help="cluster: the sparse rows' ps task counts"
+    )
     g = p.add_argument_group("Workload")
     g.add_argument("--model", choices=["small", "resnet50"], default=_args.env("model"))
     g.add_argument("--batch-per-device", type=int, default=_args.env("batch-per-device", None, int))
@@ -209,8 +234,8 @@ def add_parser(sub) -> None:
     g.add_argument(
         "--rows",
         default=_args.env("rows"),
-        help="scaling/sparse/model-parallel: only these row ids, e.g. P-1,A-1,B-2 or "
-        "S-TF-1,S-TF-MP-1x2 (default: every row)",
+        help="scaling/sparse/model-parallel/cluster: only these row ids, e.g. P-1,A-1,B-2, "
+        "S-TF-1,S-TF-MP-1x2 or D-CAR-8,S-H-8w1ps (default: every row)",
     )
     g.add_argument(
         "--out", default=_args.env("out", "bench-out"), help="directory for NAME.md/json/png"
