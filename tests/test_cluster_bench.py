@@ -23,7 +23,7 @@ def test_two_host_ring_moves_its_bytes_over_the_shaped_link(tmp_path):
         netns.skip_or_fail(str(e))
     sizes = (4, 1 << 16, 1 << 20)
     config = cluster.ClusterConfig(
-        hosts=(2,), link="1gbit", sizes=sizes, iters=4, seconds=1.0, peers=False, training=(),
+        hosts=(2,), link="1gbit", sizes=sizes, iters=4, seconds=1.0, peers=False, parts=("ring",),
         out=str(tmp_path),
     )  # fmt: skip
     rows = cluster.run(config)

@@ -130,6 +130,110 @@ def test_a_small_vector_goes_around_whole_in_n_minus_1_rounds(n):
         r.close()
 
 
+@pytest.mark.parametrize("n", [3, 4, 5])
+def test_a_streamed_ring_sums_each_chunk_in_ring_order_bit_for_bit(n):
+    """3+ workers, a vector alone: the 2(n-1) rounds stream (a piece of round t goes on as
+    soon as that piece of round t-1 is in and summed). Chunk c is summed as the ring passes
+    it: x[c] first, then x[c+1] + that, ... x[c-1] last: those bits on every worker, for
+    sizes that split into uneven chunks, chunks of several pieces, and pieces cut mid-chunk."""
+    rings, _ = _rings(n)
+    rng = np.random.default_rng(n)
+    piece = ring._STREAM_PIECE // 4
+    for size in (257, 3 * piece + 5, 8 * n * piece + 3, 1 << 18):
+        xs = [rng.standard_normal(size).astype(np.float32) for _ in range(n)]
+        before = [r.bytes_sent for r in rings]
+        outs, errors = _on_threads(lambda i, xs=xs: rings[i].all_reduce(xs[i]), n)
+        assert not any(errors), errors
+        bounds = np.linspace(0, size, n + 1).astype(np.int64)
+        expected = np.empty(size, np.float32)
+        for c in range(n):
+            part = slice(bounds[c], bounds[c + 1])
+            total = xs[c][part].copy()
+            for k in range(1, n):
+                total = xs[(c + k) % n][part] + total
+            expected[part] = total
+        for r, out, b in zip(rings, outs, before):
+            np.testing.assert_array_equal(out.view(np.uint32), expected.view(np.uint32))
+            # one header a call, and 2(n-1) chunks of about size/n
+            sent = r.bytes_sent - b
+            assert sent - (ring._HEADER.size + ring._SIZE.size) <= 2 * (n - 1) * (size // n + 1) * 4
+    for r in rings:
+        r.close()
+
+
+class _Held:
+    """A socket whose sends stop after `limit` bytes until `go` is set (the kernel "full")."""
+
+    def __init__(self, sock, limit: int, go: threading.Event):
+        self.sock, self.limit, self.go, self.sent = sock, limit, go, 0
+
+    def sendmsg(self, buffers):
+        room = self.limit - self.sent if not self.go.is_set() else None
+        if room is not None and room <= 0:
+            time.sleep(0.001)  # poll says writable: do not spin
+            raise BlockingIOError
+        if room is not None:
+            cut, out = [], 0
+            for b in buffers:
+                take = memoryview(b)[: room - out]
+                cut.append(take)
+                out += take.nbytes
+                if out >= room:
+                    break
+            buffers = cut
+        n = self.sock.sendmsg(buffers)
+        self.sent += n
+        return n
+
+    def __getattr__(self, name):
+        return getattr(self.sock, name)
+
+
+def test_a_streamed_round_goes_on_before_the_whole_round_is_in():
+    """Worker 0 sends only the first 256 KiB of its 1 MiB chunk and stalls: worker 1 has
+    already summed that piece and sent it on to worker 2 (round 1 began before round 0 was
+    whole). Once worker 0 goes on, the sum is exact."""
+    n, size = 3, 3 << 18  # 3 chunks of 1 MiB (float32)
+    rings, _ = _rings(n)
+    go = threading.Event()
+    rings[0]._next = _Held(rings[0]._next, 256 << 10, go)
+    counted = rings[1]._next = _Held(rings[1]._next, 1 << 40, threading.Event())
+    xs = [np.full(size, i + 1, np.float32) for i in range(n)]
+    outs = [None] * n
+    threads = [
+        threading.Thread(target=lambda i=i: outs.__setitem__(i, rings[i].all_reduce(xs[i])))
+        for i in range(n)
+    ]
+    for t in threads:
+        t.start()
+    header, chunk = ring._HEADER.size + ring._SIZE.size, (size // n) * 4
+    deadline = time.monotonic() + 20
+    while counted.sent < header + chunk + (128 << 10) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sent = counted.sent
+    go.set()
+    for t in threads:
+        t.join(30)
+    # worker 1's own chunk (round 0), and of round 1 at least half of what worker 0 let through
+    assert sent >= header + chunk + (128 << 10), sent
+    for out in outs:
+        np.testing.assert_array_equal(out, np.full(size, 6, np.float32))
+    for r in rings:
+        r.close()
+
+
+def test_streamed_workers_reducing_different_sizes_fail_naming_both():
+    rings, _ = _rings(3, timeout=5.0)
+    sizes = [4096, 4096, 4100]
+    _, errors = _on_threads(lambda i: rings[i].all_reduce(np.ones(sizes[i], np.float32)), 3)
+    messages = [str(e) for e in errors if e is not None]
+    assert any("a worker stopped early" in m and "different programs" in m for m in messages), (
+        messages
+    )
+    for r in rings:
+        r.close()
+
+
 @pytest.mark.parametrize("n", [1, 2, 3])
 def test_all_gather_stacks_every_workers_block_by_rank(n):
     rings, errors = _rings(n)

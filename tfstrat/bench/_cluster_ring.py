@@ -49,10 +49,68 @@ def main(config: dict) -> dict:
                 raise SystemExit(f"host {rank}: the sum of {size} bytes of ones ended in {y[-1]}")
             results.append({"bytes": int(size), "seconds": statistics.median(seconds),
                             "calls": len(seconds)})  # fmt: skip
-    finally:
         sent = r.bytes_sent
+        streamed = None
+        if float(config.get("stream_seconds") or 0) > 0:
+            r.all_reduce(np.ones(1, np.float32))  # every host ready, as near at once as it gets
+            streamed = streams(rank, addresses, float(config["stream_seconds"]))
+    finally:
         r.close()
-    return {"rank": rank, "hosts": len(addresses), "sizes": results, "ring_bytes_sent": sent}
+    return {"rank": rank, "hosts": len(addresses), "sizes": results, "ring_bytes_sent": sent,
+            "stream_bytes_per_s": streamed}  # fmt: skip
+
+
+def streams(rank: int, addresses: list[str], seconds: float) -> float:
+    """Every host sends to the next one plain TCP for `seconds` while it receives from the
+    previous (no collective, no Python between the bytes but a loop of sendall): what the
+    emulated links carry all at once. Returns the bytes per second this host received, after
+    its first half second (slow start)."""
+    import socket
+    import threading
+
+    host, port = addresses[rank].rsplit(":", 1)
+    listener = socket.create_server((host, int(port) + 1))
+    nxt_host, nxt_port = addresses[(rank + 1) % len(addresses)].rsplit(":", 1)
+    block = b"x" * (1 << 20)
+
+    def send() -> None:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                out = socket.create_connection((nxt_host, int(nxt_port) + 1), timeout=30)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        end = time.monotonic() + seconds + 1.0
+        with out:
+            try:
+                while time.monotonic() < end:
+                    out.sendall(block)
+            except OSError:  # the receiver has counted enough and closed
+                pass
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    conn, _ = listener.accept()
+    start, begin, got = time.monotonic(), None, 0
+    buf = bytearray(1 << 20)
+    with conn:
+        while True:
+            n = conn.recv_into(buf)
+            now = time.monotonic()
+            if begin is None and now - start >= 0.5:
+                begin, got = now, 0
+            got += n
+            if not n or (begin is not None and now - begin >= seconds):
+                break
+    if begin is None or now <= begin:
+        raise SystemExit(f"host {rank}: the stream from the previous host ended within 0.5 s")
+    rate = got / (now - begin)
+    sender.join(timeout=seconds + 30)
+    listener.close()
+    return rate
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import sys
 from tfstrat.bench import _netns
 
 PORT = 2222
+KINDS = ("dense", "sparse")
 DENSE = {"model": "mlp", "image": 32, "batch_per_device": 64}
 SPARSE = {"workload": "sparse", "vocab": 200_000, "dim": 64, "seq": 20, "classes": 1000,
           "batch_per_device": 64}  # fmt: skip
@@ -128,6 +129,11 @@ def run_row(net: _netns.Network, row: Row, *, steps: int, repeats: int, timeout:
     if not found:
         return {"error": f"{tasks[0].name} printed no RESULT"}
     result = json.loads(found[-1][len("RESULT ") :])
+    # Start-up: from the last task's strategy made to the first step done (the tasks that
+    # train print a RESULT: every worker, or a stock PS's chief).
+    created = [_result_of(t).get("created_at") for t in tasks]
+    if all(created) and result.get("first_step_at"):
+        result["startup_s"] = result["first_step_at"] - max(created)
     if marks.moved is None:
         return {"error": f"{tasks[0].name} printed no TIMED-BEGIN/TIMED-END marks"}
     examples = steps * repeats * result["global_batch"]  # in the timed epochs
@@ -135,6 +141,11 @@ def run_row(net: _netns.Network, row: Row, *, steps: int, repeats: int, timeout:
     result.update(interface_bytes=marks.moved[: row.hosts],
                   busiest_bytes_per_example=busiest / examples)  # fmt: skip
     return result
+
+
+def _result_of(task: _netns.Task) -> dict:
+    found = [ln for ln in task.output(limit=1 << 22).splitlines() if ln.startswith("RESULT ")]
+    return json.loads(found[-1][len("RESULT ") :]) if found else {}
 
 
 class _Marks:

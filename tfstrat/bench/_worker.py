@@ -265,6 +265,7 @@ def main(config: dict) -> dict:
         tf.config.threading.set_inter_op_parallelism_threads(int(config.get("inter_op", threads)))
     devices = int(config.get("devices", 1))
     strategy = _strategy(tf, config["strategy"], devices)
+    created_at = time.time()  # wall clock: tasks on one machine's emulated hosts compare it
     if config["strategy"].startswith("tfkeras"):
         import tf_keras as keras
     else:
@@ -347,6 +348,12 @@ def main(config: dict) -> dict:
             self.per_step = (ring.bytes_sent - self.start) / (steps * repeats)
 
     class Marks(keras.callbacks.Callback):  # for a driver that reads counters outside
+        first_step_at = None
+
+        def on_train_batch_end(self, batch, logs=None):
+            if self.first_step_at is None:
+                self.first_step_at = time.time()
+
         def on_epoch_begin(self, epoch, logs=None):
             if epoch == chunks:
                 print("TIMED-BEGIN", flush=True)
@@ -356,7 +363,7 @@ def main(config: dict) -> dict:
 
     from tfstrat.runtime.traffic import tcp_bytes
 
-    curve, clock, traffic, ring_bytes = Curve(), Clock(), Traffic(), RingBytes()
+    curve, clock, traffic, ring_bytes, marks = Curve(), Clock(), Traffic(), RingBytes(), Marks()
     steps, repeats = int(config["steps"]), int(config["repeats"])
     chunks = steps // every if every else 1
     local_sgd = config["strategy"].startswith(("localsgd-", "diloco-"))
@@ -365,7 +372,7 @@ def main(config: dict) -> dict:
         tcp_bytes = lambda ports: (_sent_bytes() + shared(),)  # noqa: E731
     callbacks = [curve, clock] + ([traffic] if ps_ports or local_sgd else [])
     callbacks += [ring_bytes] if ring is not None and not local_sgd else []
-    callbacks += [Marks()] if os.environ.get("TFSTRAT_BENCH_MARKS") else []
+    callbacks += [marks] if os.environ.get("TFSTRAT_BENCH_MARKS") else []
     model.fit(
         data,
         steps_per_epoch=steps // chunks,
@@ -410,6 +417,8 @@ def main(config: dict) -> dict:
         "global_batch": global_batch,
         "threads": tf.config.threading.get_intra_op_parallelism_threads(),
         "warmup_s": epochs[0],
+        "created_at": created_at,  # the strategy made (wall clock)
+        "first_step_at": marks.first_step_at,  # the first step done (with TFSTRAT_BENCH_MARKS)
         "epoch_s": timed,
         "steps_per_s": statistics.median(steps / s for s in timed),
         "examples_per_s": statistics.median(rates),

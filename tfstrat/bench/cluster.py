@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 SIZES = [4, 1 << 10, 1 << 16, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 QUICK_SIZES = [4, 1 << 16, 1 << 20, 4 << 20]
 PORT = 29500
+PARTS = ("ring", "launchers", "dense", "sparse")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,10 +52,15 @@ class ClusterConfig:
     iters: int = 20
     seconds: float = 5.0  # per size: fewer calls (at least 3) once this has passed
     unshaped: bool = True  # also each N unshaped: the machine's own limit
+    # After the ring's calls, every host streams plain TCP to the next for this long: what the
+    # emulated links carry all at once (the limit of a shaped row: 0 for none)
+    stream_seconds: float = 3.0
     peers: bool = True  # also OpenMPI's rows
     timeout: float = 120.0
     out: str = "bench-out"
-    training: tuple[str, ...] = ("dense", "sparse")  # `_cluster_train`'s workloads; () for none
+    # What to measure: "ring" (tfstrat's ring, and OpenMPI's with `peers`), "launchers"
+    # (`_cluster_launch`), "dense" and "sparse" (`_cluster_train`'s training rows).
+    parts: tuple[str, ...] = ("ring", "launchers", "dense", "sparse")
     ps: tuple[int, ...] = (1, 2)  # the sparse rows' ps tasks
     train_steps: int = 10  # per timed epoch, after a warm-up epoch
     train_repeats: int = 2  # timed epochs
@@ -71,19 +77,15 @@ def machine() -> dict:
 def ring_row(net: _netns.Network, config: ClusterConfig) -> dict:
     """tfstrat's ring on every host of `net`, one process each; the row of its results."""
     n = net.hosts
-    addresses = [f"{net.ipv4(i)}:{PORT}" for i in range(n)]
     before = net.counters()
-    tasks = []
-    for i in range(n):
-        worker = {"rank": i, "addresses": addresses, "sizes": list(config.sizes),
-                  "iters": config.iters, "seconds": config.seconds, "timeout": config.timeout}  # fmt: skip
-        argv = [sys.executable, "-m", "tfstrat.bench._cluster_ring", json.dumps(worker)]
-        env = {"TFSTRAT_RING_SHARED_MEMORY": "0", "PYTHONPATH": _package_root()}
-        tasks.append(net.start(i, argv, env=env, name=f"ring:{i}"))
-    budget = config.timeout + len(config.sizes) * (config.seconds + 30) * 2
-    net.wait(tasks, timeout=budget)
+    results = _ring_tasks(net, config, list(config.sizes), 0.0)
     moved = _netns.counters_delta(before, net.counters())
-    results = [_result(t) for t in tasks]
+    streams = None
+    if config.stream_seconds > 0:  # apart: the counters above are the ring's alone
+        rates = [
+            r["stream_bytes_per_s"] for r in _ring_tasks(net, config, [], config.stream_seconds)
+        ]
+        streams = {"min": min(rates), "median": sorted(rates)[len(rates) // 2]}
     first = results[0]
     sizes = []
     for k, entry in enumerate(first["sizes"]):
@@ -98,7 +100,25 @@ def ring_row(net: _netns.Network, config: ClusterConfig) -> dict:
         "sizes": sizes,
         "ring_bytes_sent": [r["ring_bytes_sent"] for r in results],
         "interface_bytes": moved,
+        "stream_bytes_per_s": streams,
     }
+
+
+def _ring_tasks(net: _netns.Network, config: ClusterConfig, sizes: list, streams: float) -> list:
+    """`_cluster_ring` on every host (its calls of `sizes`, then `streams` seconds of plain
+    TCP streams); every host's result."""
+    addresses = [f"{net.ipv4(i)}:{PORT}" for i in range(net.hosts)]
+    tasks = []
+    for i in range(net.hosts):
+        worker = {"rank": i, "addresses": addresses, "sizes": sizes, "iters": config.iters,
+                  "seconds": config.seconds, "timeout": config.timeout,
+                  "stream_seconds": streams}  # fmt: skip
+        argv = [sys.executable, "-m", "tfstrat.bench._cluster_ring", json.dumps(worker)]
+        env = {"TFSTRAT_RING_SHARED_MEMORY": "0", "PYTHONPATH": _package_root()}
+        tasks.append(net.start(i, argv, env=env, name=f"ring:{i}"))
+    budget = config.timeout + len(sizes) * (config.seconds + 30) * 2 + streams + 60
+    net.wait(tasks, timeout=budget)
+    return [_result(t) for t in tasks]
 
 
 MPI_MISSING = (
@@ -222,8 +242,11 @@ def run(config: ClusterConfig) -> list[dict]:
     for h in config.hosts:
         if not 2 <= h <= 16:
             raise ValueError(f"Received: --hosts {h}. Use 2 to 16 (16 processes at most here).")
+    unknown = set(config.parts) - set(PARTS)
+    if unknown:
+        raise ValueError(f"Received: parts {sorted(unknown)}. Use some of {', '.join(PARTS)}.")
     rows = []
-    for hosts in config.hosts:
+    for hosts in config.hosts if "ring" in config.parts else ():
         for link in ([None] if config.unshaped else []) + [config.link]:
             with _netns.Network(hosts, rate=link, hostnames=True) as net:
                 logger.info("cluster: %d hosts, link %s", hosts, link or "unshaped")
@@ -244,12 +267,67 @@ def run(config: ClusterConfig) -> list[dict]:
         row["model"] = model
         for s in row["sizes"]:
             s["predicted_seconds"] = predict(model, s["bytes"], row["hosts"])
+    launched = launchers(config) if "launchers" in config.parts else []
     trained = train(config, models)
     from tfstrat.bench import _report
 
-    text = table(rows, config) + ("\n\n" + train_table(trained, config) if trained else "")
-    _report.write(config.out, "cluster", rows + trained, text, _plot)
-    return rows + trained
+    tables = [
+        table(rows, config) if rows else "",
+        launch_table(launched),
+        train_table(trained, config),
+    ]
+    text = "\n\n".join(t for t in tables if t)
+    _report.write(config.out, "cluster", rows + launched + trained, text, _plot)
+    return rows + launched + trained
+
+
+def launchers(config: ClusterConfig) -> list[dict]:
+    """`_cluster_launch`'s row at every host count, under the link."""
+    from tfstrat.bench import _cluster_launch
+
+    out = []
+    for hosts in config.hosts:
+        with _netns.Network(hosts, rate=config.link, hostnames=True) as net:
+            logger.info("cluster: %d launchers, link %s", hosts, config.link)
+            row = _cluster_launch.run(net, timeout=config.train_timeout,
+                                      package_root=_package_root())  # fmt: skip
+        out.append({"impl": "launchers", "link": config.link, "machine": machine(), **row})
+        logger.info("cluster: %d launchers: %s", hosts, row)
+    return out
+
+
+def launch_table(rows: list[dict]) -> str:
+    from tfstrat.bench._report import markdown
+
+    if not rows:
+        return ""
+    body = []
+    for r in rows:
+        if "error" in r:
+            body.append([r["hosts"], r["link"], f"failed: {r['error'][:160]}", "-", "-", "-"])
+            continue
+        body.append([r["hosts"], r["link"], f"{r['launch_s']:.1f}",
+                     f"{r['attempt0_spread_s']:.2f}", f"{r['agreement_s']:.1f}",
+                     f"{r['attempt1_spread_s']:.2f}"])  # fmt: skip
+    grace = next((r["grace_s"] for r in rows if "grace_s" in r), "?")
+    return markdown(
+        [
+            "launchers",
+            "link",
+            "launch s",
+            "attempt 0 spread s",
+            "agreement s",
+            "attempt 1 spread s",
+        ],
+        body,
+    ) + (  # fmt: skip
+        "\n\n`tfstrat launch --nodes ... --restarts 1` on every host, one toy task each (no "
+        "TensorFlow); the last node's task fails 3 s into attempt 0. Launch: from the "
+        "launchers started to the last attempt-0 task started. Agreement: from the failure to "
+        "the last attempt-1 task started on all the nodes (every launcher stops its task, "
+        f"with a grace of {grace} s, and meets the others at the rendezvous). Spread: first "
+        "to last task start of an attempt."
+    )
 
 
 def train(config: ClusterConfig, models: dict) -> list[dict]:
@@ -257,7 +335,7 @@ def train(config: ClusterConfig, models: dict) -> list[dict]:
     unshaped first, with `config.unshaped`); dense rows get the ring model's prediction."""
     from tfstrat.bench import _cluster_train as ct
 
-    plan = ct.rows(config.hosts, config.ps, config.training)
+    plan = ct.rows(config.hosts, config.ps, tuple(p for p in config.parts if p in ct.KINDS))
     if config.train_rows:
         plan = [r for r in plan if r.id in config.train_rows]
     out = []
@@ -296,15 +374,19 @@ def train_table(rows: list[dict], config: ClusterConfig) -> str:
     from tfstrat.bench import _cluster_train as ct
     from tfstrat.bench._report import markdown
 
+    if not rows:
+        return ""
+
     headers = ["row", "model", "strategy", "workers", "ps", "link", "examples/s (min-max)",
-               "against", "first epoch s", "busiest host MB/step", "link share", "model ex/s"]  # fmt: skip
+               "against", "start-up s", "first epoch s", "busiest host MB/step", "link share",
+               "model ex/s"]  # fmt: skip
     peers = {"D-CAR": ["D-MWMS"], "S-H": ["S-SPS", "S-PS"]}
     body = []
     for r in rows:
         rate = _netns.rate_bits(r["link"]) / 8 if r["link"] else None
         cells = [r["id"], r["workload"], r["label"], r["workers"], r["ps"], r["link"] or "unshaped"]
         if "error" in r:
-            body.append(cells + [f"failed: {r['error'][:120]}"] + ["-"] * 5)
+            body.append(cells + [f"failed: {r['error'][:120]}"] + ["-"] * 6)
             continue
         against = []
         kind, _, tail = r["id"].partition("-")
@@ -321,6 +403,7 @@ def train_table(rows: list[dict], config: ClusterConfig) -> str:
             f"{r['examples_per_s']:,.0f} ({r['examples_per_s_min']:,.0f}-"
             f"{r['examples_per_s_max']:,.0f})",
             ", ".join(against) or "-",
+            f"{r['startup_s']:.1f}" if r.get("startup_s") is not None else "-",
             f"{r['warmup_s']:.1f}",
             f"{step_bytes / 1e6:.2f}",
             f"{share:.0%}" if share is not None else "-",
@@ -337,11 +420,14 @@ def train_table(rows: list[dict], config: ClusterConfig) -> str:
         "examples per worker a step; stock ParameterServerStrategy is asynchronous (its "
         "examples/s: every worker's steps), its coordinator on one more host; tfstrat's "
         "ParameterServer is synchronous. Busiest host MB/step: the most one host's interface "
-        "sent or received in the timed epochs, per step of the global batch; link share: that at the link's rate against the measured time (100%: "
+        "sent or received in the timed epochs, per step of the global batch; link share: that "
+        "at the link's rate against the measured time (100%: "
         "the link is the limit). Model ex/s (dense): the unshaped row's compute (its time less "
         "the ring model's all-reduce) plus the ring model's all-reduce of "
-        f"{ct.DENSE_BYTES / 1e6:.1f} MB at the link. First epoch: the warm-up epoch's seconds "
-        f"(tracing, first collectives). Machine: {mach.get('cpu')}, {mach.get('cpus')} CPUs "
+        f"{ct.DENSE_BYTES / 1e6:.1f} MB at the link. Start-up: from the last task's strategy "
+        "made to worker 0's (a stock PS: the chief's) first step done (building, compiling, "
+        "tracing, the first collectives). First epoch: the warm-up epoch's seconds. "
+        f"Machine: {mach.get('cpu')}, {mach.get('cpus')} CPUs "
         "shared by every task."
     )
 
@@ -387,6 +473,20 @@ def table(rows: list[dict], config: ClusterConfig) -> str:
             f"model fitted on {m['hosts']} hosts: alpha {m['alpha_s'] * 1e6:.0f} us, "
             f"1/beta {1 / m['beta_s_per_byte'] / 1e6:.0f} MB/s."
         )
+        streams = ring.get("stream_bytes_per_s")
+        if streams:
+            best = max(s["bus_bytes_per_s"] for s in ring["sizes"] if s["bytes"] >= 4 << 20) \
+                if any(s["bytes"] >= 4 << 20 for s in ring["sizes"]) else None  # fmt: skip
+            share = (
+                f"; the ring's best bus MB/s from 4 MiB is {best / streams['min']:.0%} of the slowest stream"
+                if best
+                else ""
+            )
+            notes.append(
+                f"- {where}: plain TCP streams, every host to the next at once (the links' "
+                f"limit): {streams['min'] / 1e6:.1f} MB/s the slowest host received, "
+                f"{streams['median'] / 1e6:.1f} MB/s the median{share}."
+            )
         if peer is not None and "error" in peer:
             notes.append(f"- {where}: {peer['error']}")
         elif peer is not None:
@@ -411,7 +511,7 @@ def table(rows: list[dict], config: ClusterConfig) -> str:
 
 def _plot(ax, rows):
     for row in rows:
-        if "error" in row or row["impl"] == "training":
+        if "error" in row or row["impl"] in ("training", "launchers"):
             continue
         xs = [s["bytes"] for s in row["sizes"]]
         ys = [s["bus_bytes_per_s"] / 1e6 for s in row["sizes"]]

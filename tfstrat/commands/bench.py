@@ -142,16 +142,12 @@ def _cluster(args) -> int:
               file=sys.stderr)  # fmt: skip
         return _args.EXIT_USAGE
     try:
-        training = tuple(_args.csv(args.training)) if args.training != "none" else ()
-        unknown = set(training) - {"dense", "sparse"}
-        if unknown:
-            raise ValueError(f"unknown training rows {sorted(unknown)}; use dense, sparse or none")
+        parts = tuple(_args.csv(args.parts))
         ps = tuple(int(p) for p in _args.csv(args.ps))
     except ValueError as e:
-        print(f"tfstrat bench cluster: {e} (--training {args.training!r}, --ps {args.ps!r})",
-              file=sys.stderr)  # fmt: skip
+        print(f"tfstrat bench cluster: {e} (--ps {args.ps!r})", file=sys.stderr)
         return _args.EXIT_USAGE
-    options = dict(training=training, ps=ps, train_steps=args.steps, train_repeats=args.repeats,
+    options = dict(parts=parts, ps=ps, train_steps=args.steps, train_repeats=args.repeats,
                    train_rows=tuple(_args.csv(args.rows)) if args.rows else ())  # fmt: skip
     if args.quick:  # the smallest cluster of each kind, few calls and steps; peers included
         options.update(sizes=tuple(QUICK_SIZES), iters=5, seconds=1.0, ps=ps[:1],
@@ -201,10 +197,11 @@ def add_parser(sub) -> None:
         help="cluster: each host's link rate, both ways, as tc writes it (1gbit, 200mbit)",
     )
     g.add_argument(
-        "--training",
-        default=_args.env("training", "dense,sparse"),
-        help="cluster: training rows, dense (CollectiveAllReduce vs stock MultiWorkerMirrored) "
-        "and/or sparse (Hybrid vs tfstrat's and stock ParameterServer), or none",
+        "--parts",
+        default=_args.env("parts", "ring,launchers,dense,sparse"),
+        help="cluster: what to measure: ring (tfstrat's ring and OpenMPI's), launchers (N "
+        "launchers agreeing on a restart), dense (CollectiveAllReduce vs stock "
+        "MultiWorkerMirrored), sparse (Hybrid vs tfstrat's and stock ParameterServer)",
     )
     g.add_argument(
         "--ps", default=_args.env("ps", "1,2"), help="cluster: the sparse rows' ps task counts"

@@ -14,9 +14,11 @@ any number of blocks of rows to gather (sparse gradients), so a step waits for i
   each copies it into its own memory file, the TCP connection carries only the header, and
   each sums straight from the other's memory.
 - **3+ workers**: the classic ring (reduce-scatter, then all-gather: each worker sends
-  2(n-1)/n of the vector); the blocks travel with the reduce-scatter's messages. A vector of
-  1 KiB or less (flags, counts, a step's extras) goes around whole with the blocks instead:
-  n-1 rounds instead of 2(n-1), each worker adding the n vectors in rank order.
+  2(n-1)/n of the vector); the blocks travel with the reduce-scatter's messages. A vector
+  alone streams: each round's bytes go on to the next worker in pieces as they arrive and are
+  summed, not once the whole round is in (`Ring._ring_stream`), so the 2(n-1) rounds overlap.
+  A vector of 1 KiB or less (flags, counts, a step's extras) goes around whole with the blocks
+  instead: n-1 rounds instead of 2(n-1), each worker adding the n vectors in rank order.
 
 One thread does it all with non-blocking sockets (poll: send what the kernel takes, receive
 what has come, sum what is complete), so no thread hand-off sits on a step's path and the sum
@@ -25,7 +27,7 @@ receives, so the kernel's two copies run on two cores. Buffers are kept between 
 step's exchange allocates nothing but the gathered blocks (fresh memory would be page-faulted
 in every step), and its result reaches TensorFlow without a copy (`Results`).
 
-Every message carries a header (call number, its parts' sizes), so workers that disagree on
+Every message (a streamed call: its first) carries a header (call number, its parts' sizes), so workers that disagree on
 what they exchange fail with an error naming both sides instead of mixing data. A call fails
 when no byte moves for the ring's timeout, naming the peer it waits for.
 """
@@ -62,6 +64,9 @@ _THREAD_BYTES = 1 << 22
 _SMALL_VECTOR = 1 << 10
 # Sums are done in pieces of at least this many bytes as they arrive (fewer numpy calls).
 _SUM_PIECE = 1 << 18
+# 3+ workers: the reduce-scatter's received bytes are summed, and so may go on to the next
+# worker, in pieces of this many bytes (`Ring._ring_stream`).
+_STREAM_PIECE = 1 << 16
 # Seconds a connection to the ring's listener has to prove it is the previous worker.
 _ACCEPT_HANDSHAKE = 5.0
 # The largest block of rows another worker may send for one gather (a sparse gradient's rows):
@@ -304,6 +309,8 @@ class Ring:
         ride with the reduce-scatter's messages (each goes n-1 hops)."""
         if reduce is not None and reduce.nbytes <= _SMALL_VECTOR:
             return self._ring_small(reduce, gathers)
+        if reduce is not None and not gathers:
+            return self._ring_stream(reduce), []
         n, r = self.size, self.rank
         blocks = [[None] * n for _ in gathers]
         for b, g in zip(blocks, gathers):
@@ -337,6 +344,144 @@ class Ring:
                 self._duplex([_bytes_of(chunk(summed, r + 1 - step))], [_Into(target)])
             summed = summed.reshape(reduce.shape)
         return summed, [np.concatenate(b, axis=0) for b in blocks]
+
+    def _ring_stream(self, reduce):
+        """3+ workers, a vector alone: the ring's 2(n-1) rounds as one stream each way.
+
+        Round t sends the chunk this worker received in round t-1 (summed with its own, in
+        the reduce-scatter; the all-gather's first round sends the chunk the last sum made
+        whole), so a piece of round t leaves as soon as that piece of round t-1 is in (and
+        summed), instead of after the whole round: a worker the scheduler ran late holds
+        its neighbours for a piece, not for a round. The sums are the same, in the same order,
+        as round by round. One header a call (call number, bytes to come) checks the sides
+        agree.
+        """
+        n, r = self.size, self.rank
+        flat = reduce.reshape(-1)
+        summed = self._results.get(flat.shape, flat.dtype)
+        bounds = np.linspace(0, flat.size, n + 1).astype(np.int64)
+        item = flat.dtype.itemsize
+        rounds = 2 * (n - 1)
+
+        def chunk(a, t):  # round t sends chunk (r - t) and receives chunk (r - t - 1)
+            i = t % n
+            return a[bounds[i] : bounds[i + 1]]
+
+        scratch = self._scratch((int(bounds[1] - bounds[0]) + 1,), flat.dtype)
+        total = sum(chunk(flat, r - t).nbytes for t in range(rounds))
+        coming = sum(chunk(flat, r - t - 1).nbytes for t in range(rounds))
+        header = _HEADER.pack(self.calls, 1) + _SIZE.pack(total)
+        self.bytes_sent += len(header) + total
+        pending = [memoryview(header)]  # what may go now, in order
+        out_t, queued = 0, 0  # the round being queued, its bytes queued
+        in_t, got, done = -1, 0, 0  # the round coming in (-1: the header), bytes in, summed
+        head = bytearray(len(header))
+        target = memoryview(head)
+
+        def arrived(t: int) -> int:
+            """Bytes of incoming round t summed (or, in the all-gather, received)."""
+            if in_t > t:
+                return chunk(flat, r - t - 1).nbytes
+            return done if in_t == t else 0
+
+        def start_round(t: int) -> memoryview:
+            if t < n - 1:  # reduce-scatter: into scratch, summed into `summed` piece by piece
+                return _bytes_of(scratch[: chunk(flat, r - t - 1).size])
+            return _bytes_of(chunk(summed, r - t - 1))  # all-gather: in place
+
+        def settle(final: bool) -> None:
+            nonlocal done
+            upto = got if final or in_t >= n - 1 else got - got % _STREAM_PIECE
+            if upto <= done:
+                return
+            if in_t < n - 1:
+                c, lo, hi = r - in_t - 1, done // item, upto // item
+                np.add(chunk(flat, c)[lo:hi], scratch[lo:hi], out=chunk(summed, c)[lo:hi])
+            done = upto
+
+        poll = self._poll
+        registered: set = set()
+
+        def want(sock, flag, on: bool):
+            if on and sock not in registered:
+                poll.register(sock, flag)
+                registered.add(sock)
+            elif not on and sock in registered:
+                poll.unregister(sock)
+                registered.discard(sock)
+
+        try:
+            while True:
+                moved = False  # poll only once neither side can move
+                while out_t < rounds:  # queue what the stream has made ready to send
+                    source = flat if out_t == 0 else summed
+                    whole = chunk(source, r - out_t)
+                    ready = whole.nbytes if out_t == 0 else arrived(out_t - 1)
+                    if ready > queued:
+                        pending.append(_bytes_of(whole)[queued:ready])
+                        queued = ready
+                    if queued < whole.nbytes:
+                        break
+                    out_t, queued = out_t + 1, 0
+                if pending:
+                    left = sum(p.nbytes for p in pending)
+                    self._send_some(pending)
+                    moved = sum(p.nbytes for p in pending) < left
+                while in_t < rounds:  # receive what has come
+                    if got == len(target):  # the header or a round is complete
+                        if in_t < 0:
+                            self._check_stream_header(head, coming)
+                        else:
+                            settle(final=True)
+                        in_t, got, done = in_t + 1, 0, 0
+                        if in_t < rounds:
+                            target = start_round(in_t)
+                        continue
+                    try:
+                        k = self._prev.recv_into(target[got:])
+                    except BlockingIOError:
+                        break
+                    except OSError as e:
+                        raise RingError(f"receiving from {self._prev_name} failed: {e!r}") from e
+                    if k == 0:
+                        raise RingError(
+                            f"{self._prev_name} closed the connection: it failed or stopped "
+                            "early (stop_training, an exception, or the end of its data); its "
+                            "own output says why"
+                        )
+                    got += k
+                    moved = True
+                    if in_t >= 0:
+                        settle(final=False)
+                receiving = in_t < rounds
+                if not (pending or receiving or out_t < rounds):
+                    break
+                if moved:  # what came in may be ready to go on
+                    continue
+                want(self._next, select.POLLOUT, bool(pending))
+                want(self._prev, select.POLLIN, receiving)
+                if not poll.poll(self.timeout * 1000):
+                    raise RingError(
+                        f"{self._prev_name} sent nothing for {self.timeout} s"
+                        if receiving
+                        else f"sending to {self._next_name} took over {self.timeout} s"
+                    )
+        finally:
+            for sock in list(registered):
+                poll.unregister(sock)
+        return summed.reshape(reduce.shape)
+
+    def _check_stream_header(self, head: bytearray, total: int) -> None:
+        call, count = _HEADER.unpack_from(head)
+        (nbytes,) = _SIZE.unpack_from(head, _HEADER.size)
+        if (call, count, nbytes) != (self.calls, 1, total):
+            raise RingError(
+                f"{self._prev_name} sent call {call} with {count} part(s) of {nbytes} bytes; "
+                f"{self.names[self.rank]} expected call {self.calls} with 1 part of {total} "
+                "bytes. The workers are at different places of their programs: a worker "
+                "stopped early (stop_training, an exception, or the end of its data), or they "
+                "run different programs or models."
+            )
 
     def _ring_small(self, reduce, gathers):
         """3+ workers, a small vector: every worker's whole vector goes around the ring with
