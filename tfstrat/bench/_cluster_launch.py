@@ -89,12 +89,14 @@ def run(net: _netns.Network, *, timeout: float, package_root: str) -> dict:
     failed_at = None
     for task in launchers:
         out = task.output(limit=1 << 20)
-        seen = re.findall(r"toy worker:\d+ restart (\d+) workers (\d+) at ([\d.]+)", out)
+        # the task's own lines (a failure report quotes them again, unprefixed)
+        seen = re.findall(r"^\[worker:\d+\] toy worker:\d+ restart (\d+) workers (\d+) at ([\d.]+)",
+                          out, re.M)  # fmt: skip
         attempts = [(int(r), int(w)) for r, w, _ in seen]
         agreed &= attempts == [(0, n), (1, n)]
         for r, _, at in seen:
             starts.setdefault(int(r), []).append(float(at))
-        found = re.search(r"toy failing at ([\d.]+)", out)
+        found = re.search(r"^\[worker:\d+\] toy failing at ([\d.]+)", out, re.M)
         failed_at = float(found.group(1)) if found else failed_at
     if not agreed or failed_at is None or len(starts[1]) != n:
         return {"hosts": n, "error": "the launchers did not all run attempts 0 and 1 on "

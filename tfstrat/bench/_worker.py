@@ -350,10 +350,6 @@ def main(config: dict) -> dict:
     class Marks(keras.callbacks.Callback):  # for a driver that reads counters outside
         first_step_at = None
 
-        def on_train_batch_end(self, batch, logs=None):
-            if self.first_step_at is None:
-                self.first_step_at = time.time()
-
         def on_epoch_begin(self, epoch, logs=None):
             if epoch == chunks:
                 print("TIMED-BEGIN", flush=True)
@@ -361,9 +357,15 @@ def main(config: dict) -> dict:
         def on_train_end(self, logs=None):
             print("TIMED-END", flush=True)
 
+    class FirstStep(Marks):  # stock ParameterServerStrategy refuses batch-level callbacks
+        def on_train_batch_end(self, batch, logs=None):
+            if self.first_step_at is None:
+                self.first_step_at = time.time()
+
     from tfstrat.runtime.traffic import tcp_bytes
 
-    curve, clock, traffic, ring_bytes, marks = Curve(), Clock(), Traffic(), RingBytes(), Marks()
+    marks = Marks() if ps_mode else FirstStep()
+    curve, clock, traffic, ring_bytes = Curve(), Clock(), Traffic(), RingBytes()
     steps, repeats = int(config["steps"]), int(config["repeats"])
     chunks = steps // every if every else 1
     local_sgd = config["strategy"].startswith(("localsgd-", "diloco-"))
