@@ -68,7 +68,8 @@ def test_two_launchers_on_two_hosts_agree_on_the_restart_after_a_failure(tmp_pat
 def test_a_two_host_training_row_counts_its_all_reduce_on_the_interfaces(tmp_path):
     """The dense training row (CollectiveAllReduce, 2 hosts, Keras fit of the 1.84M-weight
     MLP): each host's interface moved about the all-reduce's bytes a step (2 hosts exchange
-    whole vectors: 7.4 MB each way a step), counted in the timed epochs only."""
+    whole vectors: 7.4 MB each way a step), counted in the timed epochs only (the counters are
+    read within about 20 ms of the worker's marks: a few percent of 8 steps)."""
     from tfstrat.bench import _cluster_train, cluster
 
     try:
@@ -76,14 +77,14 @@ def test_a_two_host_training_row_counts_its_all_reduce_on_the_interfaces(tmp_pat
     except netns.Unavailable as e:
         netns.skip_or_fail(str(e))
     config = cluster.ClusterConfig(hosts=(2,), link="1gbit", parts=("dense",), unshaped=False,
-                                   train_rows=("D-CAR-2",), train_steps=3, train_repeats=1,
+                                   train_rows=("D-CAR-2",), train_steps=8, train_repeats=1,
                                    out=str(tmp_path))  # fmt: skip
     (row,) = cluster.run(config)
     assert "error" not in row, row
     assert row["id"] == "D-CAR-2" and row["workers"] == 2 and row["global_batch"] == 128, row
     per_step = row["busiest_bytes_per_example"] * row["global_batch"]
     vector = _cluster_train.DENSE_BYTES
-    assert vector <= per_step <= 1.1 * vector + 200_000, (per_step, vector)
+    assert 0.9 * vector <= per_step <= 1.1 * vector + 200_000, (per_step, vector)
     for host in row["interface_bytes"]:
-        assert 3 * vector <= host["tx"] <= 3 * (1.1 * vector + 200_000), host
+        assert 8 * 0.9 * vector <= host["tx"] <= 8 * (1.1 * vector + 200_000), host
     assert row["startup_s"] > 0 and row["examples_per_s"] > 0, row

@@ -266,6 +266,7 @@ def main(config: dict) -> dict:
     devices = int(config.get("devices", 1))
     strategy = _strategy(tf, config["strategy"], devices)
     created_at = time.time()  # wall clock: tasks on one machine's emulated hosts compare it
+    created_cpu = time.process_time()
     if config["strategy"].startswith("tfkeras"):
         import tf_keras as keras
     else:
@@ -361,6 +362,7 @@ def main(config: dict) -> dict:
         def on_train_batch_end(self, batch, logs=None):
             if self.first_step_at is None:
                 self.first_step_at = time.time()
+                self.first_step_cpu = time.process_time() - created_cpu
 
     from tfstrat.runtime.traffic import tcp_bytes
 
@@ -421,6 +423,7 @@ def main(config: dict) -> dict:
         "warmup_s": epochs[0],
         "created_at": created_at,  # the strategy made (wall clock)
         "first_step_at": marks.first_step_at,  # the first step done (with TFSTRAT_BENCH_MARKS)
+        "startup_cpu_s": getattr(marks, "first_step_cpu", None),  # this process's CPU till then
         "epoch_s": timed,
         "steps_per_s": statistics.median(steps / s for s in timed),
         "examples_per_s": statistics.median(rates),

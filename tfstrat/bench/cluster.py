@@ -370,6 +370,13 @@ def _speed(entry: dict) -> str:
     return f"{entry['examples_per_s']:,.0f} ex/s"
 
 
+def _startup(r: dict) -> str:
+    if r.get("startup_s") is None:
+        return "-"
+    cpu = r.get("startup_cpu_s")
+    return f"{r['startup_s']:.1f}" + (f" ({cpu:.1f} CPU)" if cpu is not None else "")
+
+
 def train_table(rows: list[dict], config: ClusterConfig) -> str:
     from tfstrat.bench import _cluster_train as ct
     from tfstrat.bench._report import markdown
@@ -403,7 +410,7 @@ def train_table(rows: list[dict], config: ClusterConfig) -> str:
             f"{r['examples_per_s']:,.0f} ({r['examples_per_s_min']:,.0f}-"
             f"{r['examples_per_s_max']:,.0f})",
             ", ".join(against) or "-",
-            f"{r['startup_s']:.1f}" if r.get("startup_s") is not None else "-",
+            _startup(r),
             f"{r['warmup_s']:.1f}",
             f"{step_bytes / 1e6:.2f}",
             f"{share:.0%}" if share is not None else "-",
@@ -426,7 +433,9 @@ def train_table(rows: list[dict], config: ClusterConfig) -> str:
         "the ring model's all-reduce) plus the ring model's all-reduce of "
         f"{ct.DENSE_BYTES / 1e6:.1f} MB at the link. Start-up: from the last task's strategy "
         "made to worker 0's (a stock PS: the chief's) first step done (building, compiling, "
-        "tracing, the first collectives). First epoch: the warm-up epoch's seconds. "
+        "tracing, the first collectives); in brackets the CPU seconds worker 0's process spent "
+        "meanwhile (with more hosts than cores, the wall clock is mostly the other hosts' "
+        "turns). First epoch: the warm-up epoch's seconds. "
         f"Machine: {mach.get('cpu')}, {mach.get('cpus')} CPUs "
         "shared by every task."
     )
@@ -510,16 +519,44 @@ def table(rows: list[dict], config: ClusterConfig) -> str:
 
 
 def _plot(ax, rows):
+    """Top: bus bandwidth by size (log-log), a colour per host count, the ring solid and
+    OpenMPI dashed, shaped rows bold. Bottom (with training rows): examples/s of each row at
+    the link, tfstrat blue, stock gray."""
+    import matplotlib.pyplot as plt
+
+    fig = ax.figure
+    trained = [r for r in rows if r["impl"] == "training" and r["link"] and "error" not in r]
+    fig.set_size_inches(10, 11 if trained else 6)
+    if trained:
+        grid = fig.add_gridspec(2, 1, height_ratios=[1, 1])
+        ax.set_subplotspec(grid[0])
+    hosts = sorted({r["hosts"] for r in rows if r["impl"] not in ("training", "launchers")})
+    colours = dict(zip(hosts, plt.get_cmap("tab10").colors))
     for row in rows:
         if "error" in row or row["impl"] in ("training", "launchers"):
             continue
         xs = [s["bytes"] for s in row["sizes"]]
         ys = [s["bus_bytes_per_s"] / 1e6 for s in row["sizes"]]
-        name = "ring" if row["impl"] == "tfstrat ring" else "OpenMPI"
-        ax.plot(xs, ys, marker="o" if name == "ring" else "x",
-                label=f"{name}, {row['hosts']} hosts, {row['link'] or 'unshaped'}")  # fmt: skip
+        ring = row["impl"] == "tfstrat ring"
+        ax.plot(xs, ys, color=colours[row["hosts"]], linestyle="-" if ring else "--",
+                marker="o" if ring else "x", linewidth=2 if row["link"] else 0.8,
+                alpha=1.0 if row["link"] else 0.5,
+                label=f"{'ring' if ring else 'OpenMPI'}, {row['hosts']} hosts, "
+                f"{row['link'] or 'unshaped'}")  # fmt: skip
     ax.set_xscale("log")
+    ax.set_yscale("log")
     ax.set_xlabel("bytes per all-reduce")
     ax.set_ylabel("bus MB/s")
-    ax.legend()
-    ax.set_title("tfstrat bench cluster: the ring on emulated hosts")
+    if ax.lines:
+        ax.legend(fontsize=7, ncol=2)
+    ax.set_title("tfstrat bench cluster: the ring and OpenMPI on emulated hosts")
+    if not trained:
+        return
+    low = fig.add_subplot(grid[1])
+    labels = [f"{r['id']} ({r['link']})" for r in trained]
+    rates = [r["examples_per_s"] for r in trained]
+    tfstrat = [not r["strategy"].startswith("tfkeras") for r in trained]
+    low.barh(labels, rates, color=["tab:blue" if t else "tab:gray" for t in tfstrat])
+    low.invert_yaxis()
+    low.set_xlabel("examples/s at the link (tfstrat blue, stock gray)")
+    low.tick_params(axis="y", labelsize=7)
