@@ -444,11 +444,7 @@ class Ring:
                     except OSError as e:
                         raise RingError(f"receiving from {self._prev_name} failed: {e!r}") from e
                     if k == 0:
-                        raise RingError(
-                            f"{self._prev_name} closed the connection: it failed or stopped "
-                            "early (stop_training, an exception, or the end of its data); its "
-                            "own output says why"
-                        )
+                        raise self._closed()
                     got += k
                     moved = True
                     if in_t >= 0:
@@ -461,15 +457,25 @@ class Ring:
                 want(self._next, select.POLLOUT, bool(pending))
                 want(self._prev, select.POLLIN, receiving)
                 if not poll.poll(self.timeout * 1000):
-                    raise RingError(
-                        f"{self._prev_name} sent nothing for {self.timeout} s"
-                        if receiving
-                        else f"sending to {self._next_name} took over {self.timeout} s"
-                    )
+                    raise self._stalled(receiving)
         finally:
             for sock in list(registered):
                 poll.unregister(sock)
         return summed.reshape(reduce.shape)
+
+    def _stalled(self, receiving: bool) -> RingError:
+        """No byte moved for the timeout: names the worker waited for."""
+        return RingError(
+            f"{self._prev_name} sent nothing for {self.timeout} s"
+            if receiving
+            else f"sending to {self._next_name} took over {self.timeout} s"
+        )
+
+    def _closed(self) -> RingError:
+        return RingError(
+            f"{self._prev_name} closed the connection: it failed or stopped early "
+            "(stop_training, an exception, or the end of its data); its own output says why"
+        )
 
     def _check_stream_header(self, head: bytearray, total: int) -> None:
         call, count = _HEADER.unpack_from(head)
@@ -559,11 +565,7 @@ class Ring:
                 if not (sending or receiving):
                     return incoming
                 if not poll.poll(self.timeout * 1000):
-                    raise RingError(
-                        f"{self._prev_name} sent nothing for {self.timeout} s"
-                        if receiving
-                        else f"sending to {self._next_name} took over {self.timeout} s"
-                    )
+                    raise self._stalled(receiving)
         finally:
             for s in (self._next, self._prev):
                 try:
@@ -736,11 +738,7 @@ class _Incoming:
             except OSError as e:
                 raise RingError(f"receiving from {ring._prev_name} failed: {e!r}") from e
             if n == 0:
-                raise RingError(
-                    f"{ring._prev_name} closed the connection: it failed or stopped early "
-                    "(stop_training, an exception, or the end of its data); its own output "
-                    "says why"
-                )
+                raise ring._closed()
             if self.part >= 0:
                 target = self.targets[self.part]
                 target.received(n)
