@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 
 from tfstrat.bench import _netns
@@ -88,8 +89,6 @@ def run_row(net: _netns.Network, row: Row, *, steps: int, repeats: int, timeout:
     legacy = row.strategy.startswith("tfkeras")
 
     def env(task: str, index: int) -> dict:
-        import os
-
         path = os.pathsep.join(x for x in (package_root, os.environ.get("PYTHONPATH")) if x)
         return {
             "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": task, "index": index}}),
@@ -124,11 +123,9 @@ def run_row(net: _netns.Network, row: Row, *, steps: int, repeats: int, timeout:
         return {"error": (lines[-1] if lines else str(e).splitlines()[0])[-300:]}
     finally:
         marks.stop()
-    text = tasks[0].output(limit=1 << 22)
-    found = [line for line in text.splitlines() if line.startswith("RESULT ")]
-    if not found:
+    result = _result_of(tasks[0])
+    if not result:
         return {"error": f"{tasks[0].name} printed no RESULT"}
-    result = json.loads(found[-1][len("RESULT ") :])
     # Start-up: from the last task's strategy made to the first step done (the tasks that
     # train print a RESULT: every worker, or a stock PS's chief).
     created = [_result_of(t).get("created_at") for t in tasks]

@@ -21,6 +21,11 @@ which two CPUs set at a few hundred MB/s in total):
   `mpirun` in host 0's namespace, the other ranks started through an rsh agent that enters
   theirs), when `mpirun` and mpi4py are installed; else a row says what to install.
 
+- **streams**: after the ring's calls, plain TCP from every host to the next, all at once, for
+  a few seconds: what the shaped links carry together on this machine (at 8-16 hosts two CPUs
+  shaping every packet carry less than the links' rates: the limit a shaped row is read against).
+- **launchers** (`_cluster_launch`): N `tfstrat launch --nodes` launchers, one task each (no
+  TensorFlow); one task fails and the launchers must agree on attempt 1: how long that takes.
 - **training** (`_cluster_train`): Keras `fit` of a link-bound MLP, CollectiveAllReduce
   against stock `MultiWorkerMirroredStrategy`; and of a sparse model with a dense part, Hybrid
   against tfstrat's ParameterServer and stock `ParameterServerStrategy` (tf-keras) with 1-2 ps
