@@ -60,6 +60,9 @@ class ClusterConfig:
     # After the ring's calls, every host streams plain TCP to the next for this long: what the
     # emulated links carry all at once (the limit of a shaped row: 0 for none)
     stream_seconds: float = 3.0
+    # Ring processes per host (2+: host-contiguous ranks, as `tfstrat launch --nodes` orders
+    # workers; their local hops stay inside the host, unshaped; no streams row)
+    workers_per_host: int = 1
     peers: bool = True  # also OpenMPI's rows
     timeout: float = 120.0
     out: str = "bench-out"
@@ -81,12 +84,12 @@ def machine() -> dict:
 
 def ring_row(net: _netns.Network, config: ClusterConfig) -> dict:
     """tfstrat's ring on every host of `net`, one process each; the row of its results."""
-    n = net.hosts
+    n = net.hosts * config.workers_per_host  # the ring's size
     before = net.counters()
     results = _ring_tasks(net, config, list(config.sizes), 0.0)
     moved = _netns.counters_delta(before, net.counters())
     streams = None
-    if config.stream_seconds > 0:  # apart: the counters above are the ring's alone
+    if config.stream_seconds > 0 and config.workers_per_host == 1:  # apart: counters above
         rates = [
             r["stream_bytes_per_s"] for r in _ring_tasks(net, config, [], config.stream_seconds)
         ]
@@ -100,7 +103,8 @@ def ring_row(net: _netns.Network, config: ClusterConfig) -> dict:
                       "bus_bytes_per_s": bus_bytes(entry["bytes"], n) / seconds})  # fmt: skip
     return {
         "impl": "tfstrat ring",
-        "hosts": n,
+        "hosts": net.hosts,
+        "workers": n,
         "link": net.rate,
         "sizes": sizes,
         "ring_bytes_sent": [r["ring_bytes_sent"] for r in results],
@@ -112,15 +116,16 @@ def ring_row(net: _netns.Network, config: ClusterConfig) -> dict:
 def _ring_tasks(net: _netns.Network, config: ClusterConfig, sizes: list, streams: float) -> list:
     """`_cluster_ring` on every host (its calls of `sizes`, then `streams` seconds of plain
     TCP streams); every host's result."""
-    addresses = [f"{net.ipv4(i)}:{PORT}" for i in range(net.hosts)]
+    k = config.workers_per_host
+    addresses = [f"{net.ipv4(i // k)}:{PORT + 2 * (i % k)}" for i in range(net.hosts * k)]
     tasks = []
-    for i in range(net.hosts):
+    for i in range(net.hosts * k):
         worker = {"rank": i, "addresses": addresses, "sizes": sizes, "iters": config.iters,
                   "seconds": config.seconds, "timeout": config.timeout,
                   "stream_seconds": streams}  # fmt: skip
         argv = [sys.executable, "-m", "tfstrat.bench._cluster_ring", json.dumps(worker)]
         env = {"TFSTRAT_RING_SHARED_MEMORY": "0", "PYTHONPATH": _package_root()}
-        tasks.append(net.start(i, argv, env=env, name=f"ring:{i}"))
+        tasks.append(net.start(i // k, argv, env=env, name=f"ring:{i}"))
     budget = config.timeout + len(sizes) * (config.seconds + 30) * 2 + streams + 60
     net.wait(tasks, timeout=budget)
     return [_result(t) for t in tasks]
@@ -139,7 +144,9 @@ def mpi_row(net: _netns.Network, config: ClusterConfig) -> dict:
     import shutil
     import tempfile
 
-    row = {"impl": "OpenMPI Allreduce", "hosts": net.hosts, "link": net.rate}
+    k = config.workers_per_host
+    row = {"impl": "OpenMPI Allreduce", "hosts": net.hosts, "workers": net.hosts * k,
+           "link": net.rate}  # fmt: skip
     mpirun = shutil.which("mpirun")
     missing = [w for w, ok in (("mpirun", mpirun), ("mpi4py", importlib.util.find_spec("mpi4py")))
                if not ok]  # fmt: skip
@@ -156,15 +163,15 @@ def mpi_row(net: _netns.Network, config: ClusterConfig) -> dict:
     os.chmod(agent, 0o755)
     worker = {"sizes": list(config.sizes), "iters": config.iters, "seconds": config.seconds}
     argv = [
-        mpirun, "--allow-run-as-root", "-np", str(net.hosts),
-        "--host", ",".join(f"{name}:1" for name in net.names),
+        mpirun, "--allow-run-as-root", "-np", str(net.hosts * k),
+        "--host", ",".join(f"{name}:{k}" for name in net.names),
         # every "node" is this machine: bound by default, each would take core 0
         "--bind-to", "none",
         "--mca", "plm_rsh_agent", agent, "--mca", "plm_rsh_no_tree_spawn", "1",
         "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "eth0",
         "--mca", "oob_tcp_if_include", "eth0",
         # more hosts than cores: ranks that busy-poll would take turns by the scheduler's slice
-        *(["--mca", "mpi_yield_when_idle", "1"] if net.hosts > (os.cpu_count() or 1) else []),
+        *(["--mca", "mpi_yield_when_idle", "1"] if net.hosts * k > (os.cpu_count() or 1) else []),
         "-x", "PYTHONPATH", "-x", "PATH",
         sys.executable, "-m", "tfstrat.bench._cluster_mpi", json.dumps(worker),
     ]  # fmt: skip
@@ -181,7 +188,7 @@ def mpi_row(net: _netns.Network, config: ClusterConfig) -> dict:
     result = _result(task)
     row["mpi"] = result["mpi"].splitlines()[0]
     row["sizes"] = [
-        {**s, "bus_bytes_per_s": bus_bytes(s["bytes"], net.hosts) / s["seconds"]}
+        {**s, "bus_bytes_per_s": bus_bytes(s["bytes"], net.hosts * k) / s["seconds"]}
         for s in result["sizes"]
     ]
     return row
@@ -229,12 +236,12 @@ def fit(row: dict) -> dict:
     # (about 1 ms at its rate) through at full speed, which smaller calls would read as bandwidth.
     sizes = [s for s in row["sizes"] if s["bytes"] == row["sizes"][0]["bytes"] or
              s["bytes"] >= 1 << 20] or row["sizes"]  # fmt: skip
-    terms = np.array([model_terms(s["bytes"], row["hosts"]) for s in sizes])
+    terms = np.array([model_terms(s["bytes"], row["workers"]) for s in sizes])
     seconds = np.array([s["seconds"] for s in sizes])
     # weighted by 1/time: small and large calls count alike
     weights = 1.0 / seconds
     (alpha, beta), *_ = np.linalg.lstsq(terms * weights[:, None], seconds * weights, rcond=None)
-    return {"alpha_s": float(alpha), "beta_s_per_byte": float(beta), "hosts": row["hosts"]}
+    return {"alpha_s": float(alpha), "beta_s_per_byte": float(beta), "hosts": row["workers"]}
 
 
 def predict(model: dict, size: int, hosts: int) -> float:
@@ -247,6 +254,11 @@ def run(config: ClusterConfig) -> list[dict]:
     for h in config.hosts:
         if not 2 <= h <= 16:
             raise ValueError(f"Received: --hosts {h}. Use 2 to 16 (16 processes at most here).")
+    if not 1 <= config.workers_per_host <= 4 or max(config.hosts) * config.workers_per_host > 16:
+        raise ValueError(
+            f"Received: --workers-per-host {config.workers_per_host} with --hosts "
+            f"{','.join(map(str, config.hosts))}. Use 1-4, at most 16 processes in all."
+        )
     unknown = set(config.parts) - set(PARTS)
     if unknown:
         raise ValueError(f"Received: parts {sorted(unknown)}. Use some of {', '.join(PARTS)}.")
@@ -263,7 +275,7 @@ def run(config: ClusterConfig) -> list[dict]:
                     rows.append(row)
     models = {}
     rings = [r for r in rows if r["impl"] == "tfstrat ring"]
-    for row in sorted(rings, key=lambda r: r["hosts"]):
+    for row in sorted(rings, key=lambda r: r["workers"]):
         models.setdefault(row["link"], fit(row))
     for row in rows:
         if "error" in row:
@@ -271,7 +283,7 @@ def run(config: ClusterConfig) -> list[dict]:
         model = models[row["link"]]
         row["model"] = model
         for s in row["sizes"]:
-            s["predicted_seconds"] = predict(model, s["bytes"], row["hosts"])
+            s["predicted_seconds"] = predict(model, s["bytes"], row["workers"])
     launched = launchers(config) if "launchers" in config.parts else []
     trained = train(config, models)
     from tfstrat.bench import _report
@@ -453,6 +465,12 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
+def _hosts(row: dict) -> str:
+    """A row's hosts, "H x K" with K ring processes per host."""
+    k = row.get("workers", row["hosts"]) // row["hosts"]
+    return f"{row['hosts']} x {k}" if k > 1 else str(row["hosts"])
+
+
 def table(rows: list[dict], config: ClusterConfig) -> str:
     from tfstrat.bench._report import markdown
 
@@ -462,13 +480,13 @@ def table(rows: list[dict], config: ClusterConfig) -> str:
     body, notes = [], []
     rings = [r for r in rows if r["impl"] == "tfstrat ring"]
     for ring in rings:
-        peer = next((r for r in rows if r["impl"] != ring["impl"] and r["hosts"] == ring["hosts"]
+        peer = next((r for r in rows if r["impl"] != ring["impl"] and _hosts(r) == _hosts(ring)
                      and r["link"] == ring["link"]), None)  # fmt: skip
         mpi = peer["sizes"] if peer and "error" not in peer else [None] * len(ring["sizes"])
         rate = _netns.rate_bits(ring["link"]) / 8 if ring["link"] else None
         for s, m in zip(ring["sizes"], mpi):
             body.append([
-                ring["hosts"], ring["link"] or "unshaped", _size(s["bytes"]),
+                _hosts(ring), ring["link"] or "unshaped", _size(s["bytes"]),
                 f"{s['seconds'] * 1e3:.3f}", f"{s['bus_bytes_per_s'] / 1e6:.1f}",
                 f"{s['bus_bytes_per_s'] / rate:.0%}" if rate else "-",
                 f"{m['seconds'] * 1e3:.3f}" if m else "-",
@@ -477,15 +495,18 @@ def table(rows: list[dict], config: ClusterConfig) -> str:
                 f"{s['predicted_seconds'] * 1e3:.3f}",
                 f"{s['seconds'] / s['predicted_seconds']:.2f}",
             ])  # fmt: skip
-        sent = sum(ring["ring_bytes_sent"])
+        k = ring.get("workers", ring["hosts"]) // ring["hosts"]
+        # what crosses a host's link: its last worker's sends (the others' stay inside)
+        sent = sum(b for i, b in enumerate(ring["ring_bytes_sent"]) if i % k == k - 1)
         wire = sum(h["tx"] for h in ring["interface_bytes"])
         m = ring["model"]
-        where = f"{ring['hosts']} hosts, {ring['link'] or 'unshaped'}"
+        where = f"{_hosts(ring)} hosts, {ring['link'] or 'unshaped'}"
+        between = " between hosts" if k > 1 else ""
         notes.append(
-            f"- {where}: the ring says it sent {sent / 1e6:.1f} MB, the hosts' interfaces "
-            f"sent {wire / 1e6:.1f} MB ({wire / sent:.3f}x: TCP/IP headers and handshakes); "
-            f"model fitted on {m['hosts']} hosts: alpha {m['alpha_s'] * 1e6:.0f} us, "
-            f"1/beta {1 / m['beta_s_per_byte'] / 1e6:.0f} MB/s."
+            f"- {where}: the ring says it sent {sent / 1e6:.1f} MB{between}, the hosts' "
+            f"interfaces sent {wire / 1e6:.1f} MB ({wire / sent:.3f}x: TCP/IP headers and "
+            f"handshakes); model fitted on {m['hosts']} workers: alpha "
+            f"{m['alpha_s'] * 1e6:.0f} us, 1/beta {1 / m['beta_s_per_byte'] / 1e6:.0f} MB/s."
         )
         streams = ring.get("stream_bytes_per_s")
         if streams:

@@ -148,6 +148,7 @@ def _cluster(args) -> int:
         print(f"tfstrat bench cluster: {e} (--ps {args.ps!r})", file=sys.stderr)
         return _args.EXIT_USAGE
     options = dict(parts=parts, ps=ps, train_steps=args.steps, train_repeats=args.repeats,
+                   workers_per_host=args.workers_per_host,
                    train_rows=tuple(_args.csv(args.rows)) if args.rows else ())  # fmt: skip
     if args.quick:  # the smallest cluster of each kind, few calls and steps; peers included
         options.update(sizes=tuple(QUICK_SIZES), iters=5, seconds=1.0, ps=ps[:1],
@@ -205,6 +206,12 @@ def add_parser(sub) -> None:
     )
     g.add_argument(
         "--ps", default=_args.env("ps", "1,2"), help="cluster: the sparse rows' ps task counts"
+    )
+    g.add_argument(
+        "--workers-per-host",
+        type=int,
+        default=_args.env("workers-per-host", 1, int),
+        help="cluster: ring processes per emulated host (the ring part; ranks host by host)",
     )
     g = p.add_argument_group("Workload")
     g.add_argument("--model", choices=["small", "resnet50"], default=_args.env("model"))
