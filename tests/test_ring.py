@@ -222,10 +222,18 @@ def test_a_streamed_round_goes_on_before_the_whole_round_is_in():
         r.close()
 
 
-def test_streamed_workers_reducing_different_sizes_fail_naming_both():
+@pytest.mark.parametrize("odd", ["size", "no vector"])
+def test_streamed_workers_reducing_different_things_fail_saying_so(odd):
+    """A streamed call met by one of another size, or by a call with no vector (whose header
+    is shorter): a worker refuses it as a mismatch naming both sides."""
     rings, _ = _rings(3, timeout=5.0)
-    sizes = [4096, 4096, 4100]
-    _, errors = _on_threads(lambda i: rings[i].all_reduce(np.ones(sizes[i], np.float32)), 3)
+
+    def call(i):
+        if i == 2 and odd == "no vector":
+            return rings[i].exchange(None, [])
+        return rings[i].all_reduce(np.ones(4100 if i == 2 else 4096, np.float32))
+
+    _, errors = _on_threads(call, 3)
     messages = [str(e) for e in errors if e is not None]
     assert any("a worker stopped early" in m and "different programs" in m for m in messages), (
         messages

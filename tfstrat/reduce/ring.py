@@ -417,7 +417,9 @@ class Ring:
                     source = flat if out_t == 0 else summed
                     whole = chunk(source, r - out_t)
                     ready = whole.nbytes if out_t == 0 else arrived(out_t - 1)
-                    if ready > queued:
+                    # in pieces (the all-gather's bytes are ready as they come: a view each
+                    # would grow `pending` by one per recv)
+                    if ready == whole.nbytes or ready - queued >= _STREAM_PIECE:
                         pending.append(_bytes_of(whole)[queued:ready])
                         queued = ready
                     if queued < whole.nbytes:
@@ -449,6 +451,8 @@ class Ring:
                     moved = True
                     if in_t >= 0:
                         settle(final=False)
+                    elif got >= _HEADER.size:  # another kind of call has a shorter header
+                        self._check_stream_header(head, coming, count_only=True)
                 receiving = in_t < rounds
                 if not (pending or receiving or out_t < rounds):
                     break
@@ -477,9 +481,9 @@ class Ring:
             "(stop_training, an exception, or the end of its data); its own output says why"
         )
 
-    def _check_stream_header(self, head: bytearray, total: int) -> None:
+    def _check_stream_header(self, head: bytearray, total: int, count_only=False) -> None:
         call, count = _HEADER.unpack_from(head)
-        (nbytes,) = _SIZE.unpack_from(head, _HEADER.size)
+        (nbytes,) = (total,) if count_only else _SIZE.unpack_from(head, _HEADER.size)
         if (call, count, nbytes) != (self.calls, 1, total):
             raise RingError(
                 f"{self._prev_name} sent call {call} with {count} part(s) of {nbytes} bytes; "
