@@ -417,9 +417,7 @@ class Ring:
                     source = flat if out_t == 0 else summed
                     whole = chunk(source, r - out_t)
                     ready = whole.nbytes if out_t == 0 else arrived(out_t - 1)
-                    # in pieces (the all-gather's bytes are ready as they come: a view each
-                    # would grow `pending` by one per recv)
-                    if ready == whole.nbytes or ready - queued >= _STREAM_PIECE:
+                    if ready > queued:  # (the all-gather's: as they come, a view per recv)
                         pending.append(_bytes_of(whole)[queued:ready])
                         queued = ready
                     if queued < whole.nbytes:
