@@ -186,7 +186,7 @@ def mpi_row(net: _netns.Network, config: ClusterConfig) -> dict:
         return row
     row["interface_bytes"] = _netns.counters_delta(before, net.counters())
     result = _result(task)
-    row["mpi"] = result["mpi"].splitlines()[0]
+    row["mpi"] = result["mpi"].splitlines()[0].rstrip("\x00 ")  # MPI's string ends in a NUL
     row["sizes"] = [
         {**s, "bus_bytes_per_s": bus_bytes(s["bytes"], net.hosts * k) / s["seconds"]}
         for s in result["sizes"]
