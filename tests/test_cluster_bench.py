@@ -46,6 +46,42 @@ def test_two_host_ring_moves_its_bytes_over_the_shaped_link(tmp_path):
     assert "| 2 | 1gbit | 1 MiB |" in text and "interfaces sent" in text, text
 
 
+@pytest.mark.timeout(150)
+def test_two_workers_per_host_sum_within_the_host_and_send_less_over_the_links(tmp_path):
+    """2 hosts x 2 workers: the two-level exchange (sum within the host, then one ring per
+    worker across the hosts on half the vector) against the same four in one flat ring, side
+    by side. Each host's interface carries what the rings say crossed it, and the two levels
+    send each host's vector once a call where the flat ring sends 2(4-1)/4 = 1.5 times it."""
+    from tfstrat.bench import cluster
+
+    try:
+        netns.check_available()
+    except netns.Unavailable as e:
+        netns.skip_or_fail(str(e))
+    size = 1 << 20
+    config = cluster.ClusterConfig(
+        hosts=(2,), link="1gbit", sizes=(size,), iters=4, seconds=1.0, peers=False,
+        parts=("ring",), unshaped=False, workers_per_host=2, out=str(tmp_path),
+    )  # fmt: skip
+    rows = cluster.run(config)
+    assert [(r["impl"], r["workers"]) for r in rows] == [
+        ("tfstrat ring", 4), ("tfstrat ring (flat)", 4)
+    ], rows  # fmt: skip
+    per_call = {}
+    for row in rows:
+        calls = 2 + row["sizes"][0]["calls"]
+        between = row["between_hosts_bytes"]
+        for host, wire in enumerate(row["interface_bytes"]):
+            claimed = between[2 * host] + between[2 * host + 1]
+            assert claimed <= wire["tx"] <= 1.1 * claimed + 100_000, (row["impl"], host, wire)
+            per_call.setdefault(row["impl"], []).append(claimed / calls)
+    for host_bytes in per_call["tfstrat ring"]:  # the vector, and its headers
+        assert size <= host_bytes < size + 2_000, per_call
+    for host_bytes in per_call["tfstrat ring (flat)"]:  # last worker of the host: 1.5x
+        assert 1.5 * size <= host_bytes < 1.5 * size + 2_000, per_call
+    assert "| 2 x 2 flat | 1gbit | 1 MiB |" in (tmp_path / "cluster.md").read_text()
+
+
 @pytest.mark.timeout(180)
 def test_two_launchers_on_two_hosts_agree_on_the_restart_after_a_failure(tmp_path):
     """The launcher row: `tfstrat launch --nodes` on each emulated host, the last node's toy

@@ -57,6 +57,19 @@ def _rings(n, timeout=10.0, host="127.0.0.1"):
     return rings, errors
 
 
+def _host_rings(hosts, k, timeout=10.0):
+    """Rings of `hosts` x `k` workers, host h's at 127.0.0.(h + 1): as many hosts to the ring
+    (a host is an address's host part), all on loopback."""
+    where = [f"127.0.0.{h + 1}" for h in range(hosts) for _ in range(k)]
+    listeners = [ring.listen(host) for host in where]
+    addresses = [_ports.join(h, s.getsockname()[1]) for h, s in zip(where, listeners)]
+    rings, errors = _on_threads(lambda i: ring.Ring(i, addresses, listeners[i], 30.0), len(where))
+    assert not any(errors), errors
+    for r in rings:
+        r.set_timeout(timeout)
+    return rings
+
+
 def _on_threads(fn, n):
     results, errors = [None] * n, [None] * n
 
@@ -238,6 +251,87 @@ def test_streamed_workers_reducing_different_things_fail_saying_so(odd):
     assert any("a worker stopped early" in m and "different programs" in m for m in messages), (
         messages
     )
+    for r in rings:
+        r.close()
+
+
+@pytest.mark.parametrize("hosts,k", [(2, 2), (3, 2), (2, 3)])
+def test_hosts_with_several_workers_sum_within_the_host_then_across(hosts, k, transport):
+    """H hosts x k workers: a vector alone is summed within each host (two workers: through
+    shared memory), its k parts across the hosts in k rings, then gathered within the host:
+    the same bits on every worker, and each worker sends 1/k of the across-hosts traffic."""
+    rings = _host_rings(hosts, k)
+    n = hosts * k
+    local, across = rings[0]._levels
+    assert (local.size, across.size) == (k, hosts)
+    shared = k == 2 and transport == "shared memory"
+    assert local.transport == ("shared memory" if shared else "tcp")
+    assert across.transport == "tcp"  # other hosts: never shared memory
+    rng = np.random.default_rng(hosts * k)
+    for shape in [(), (1,), (5,), (3, 7), (1 << 18,)]:
+        xs = [rng.standard_normal(shape).astype(np.float32) for _ in range(n)]
+        sent = [r._levels[1].bytes_sent for r in rings]
+        outs, errors = _on_threads(lambda i, xs=xs: rings[i].all_reduce(xs[i]), n)
+        assert not any(errors), errors
+        for out in outs:
+            assert out.shape == shape
+            np.testing.assert_allclose(out, np.sum(xs, axis=0), rtol=1e-5, atol=1e-5)
+            np.testing.assert_array_equal(out.view(np.uint32), outs[0].view(np.uint32))
+        if (hosts, k) == (2, 2):  # (x0 + x1) + (x2 + x3) exactly: host sums, then across
+            np.testing.assert_array_equal(outs[0], (xs[0] + xs[1]) + (xs[2] + xs[3]))
+        if shape == (1 << 18,):  # across: each worker its 1/k part, both ways for 2 hosts
+            part = xs[0].nbytes / k * (1 if hosts == 2 else 2 * (hosts - 1) / hosts)
+            for r, before in zip(rings, sent):
+                assert part <= r._levels[1].bytes_sent - before < part + 1024
+            if shared:
+                assert rings[0].shared_bytes > xs[0].nbytes  # within the host: no socket
+    # Blocks to gather (with or without a vector) take the flat ring: by rank, as always.
+    blocks = [np.full((i, 2), i, np.float32) for i in range(n)]
+    outs, errors = _on_threads(lambda i: rings[i].exchange(np.ones(3), [blocks[i]]), n)
+    assert not any(errors), errors
+    for summed, (gathered,) in outs:
+        np.testing.assert_array_equal(summed, np.full(3, n))
+        np.testing.assert_array_equal(gathered, np.concatenate(blocks))
+    for r in rings:
+        r.close()
+
+
+def test_two_levels_only_where_hosts_have_the_same_workers_and_every_worker_wants_them(
+    monkeypatch,
+):
+    where = ["127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.2", "127.0.0.2"]  # 2 + 3
+    listeners = [ring.listen(h) for h in where]
+    addresses = [_ports.join(h, s.getsockname()[1]) for h, s in zip(where, listeners)]
+    rings, errors = _on_threads(lambda i: ring.Ring(i, addresses, listeners[i], 30.0), 5)
+    assert not any(errors) and all(r._levels is None for r in rings), errors
+    for r in rings:
+        r.close()
+    # One worker that does not want them (TFSTRAT_RING_HOSTS=0 there): one flat ring on all.
+    where = ["127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.2"]
+    listeners = [ring.listen(h) for h in where]
+    addresses = [_ports.join(h, s.getsockname()[1]) for h, s in zip(where, listeners)]
+    monkeypatch.setenv(ring.HOSTS_ENV, "0")
+
+    def make(i):
+        return ring.Ring(i, addresses, listeners[i], 30.0, by_host=None if i == 3 else True)  # env
+
+    rings, errors = _on_threads(make, 4)
+    assert not any(errors) and all(r._levels is None for r in rings), errors
+    outs, errors = _on_threads(lambda i: rings[i].all_reduce(np.full(1000, i, np.float32)), 4)
+    assert not any(errors), errors
+    for out in outs:
+        np.testing.assert_array_equal(out, np.full(1000, 6))
+    for r in rings:
+        r.close()
+
+
+def test_a_silent_worker_of_a_host_times_out_its_host_naming_it():
+    rings = _host_rings(2, 2, timeout=1.0)
+    started = time.monotonic()
+    _, errors = _on_threads(lambda i: rings[i].all_reduce(np.ones(1 << 16, np.float32)), 3)
+    assert all(isinstance(e, RingError) for e in errors), errors
+    assert "worker 3" in str(errors[2]) and "sent nothing for 1.0 s" in str(errors[2]), errors
+    assert time.monotonic() - started < 2 * 1.0 + 10, "two levels' timeouts and some slack"
     for r in rings:
         r.close()
 

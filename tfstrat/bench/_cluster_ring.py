@@ -50,6 +50,7 @@ def main(config: dict) -> dict:
             results.append({"bytes": int(size), "seconds": statistics.median(seconds),
                             "calls": len(seconds)})  # fmt: skip
         sent = r.bytes_sent
+        between = _between_hosts(r)
         streamed = None
         if float(config.get("stream_seconds") or 0) > 0:
             r.all_reduce(np.ones(1, np.float32))  # every host ready, as near at once as it gets
@@ -57,7 +58,21 @@ def main(config: dict) -> dict:
     finally:
         r.close()
     return {"rank": rank, "hosts": len(addresses), "sizes": results, "ring_bytes_sent": sent,
+            "between_hosts_bytes": between, "levels": r.levels is not None,
             "stream_bytes_per_s": streamed}  # fmt: skip
+
+
+def _between_hosts(r) -> int:
+    """Of the bytes `r` sent, those that left this host: the flat ring's when the next worker
+    is on another host, and all of the two-level exchange's ring across the hosts."""
+    from tfstrat.cluster import ports
+
+    host = lambda i: ports.split(r.addresses[i % r.size])[0]  # noqa: E731
+    if r.levels is None:
+        return r.bytes_sent if host(r.rank + 1) != host(r.rank) else 0
+    local, across = r.levels
+    flat = r.bytes_sent - local.bytes_sent - across.bytes_sent  # its own calls (the start's)
+    return across.bytes_sent + (flat if host(r.rank + 1) != host(r.rank) else 0)
 
 
 def streams(rank: int, addresses: list[str], seconds: float) -> float:

@@ -82,11 +82,15 @@ def machine() -> dict:
     return {"cpu": cpu_name(), "cpus": os.cpu_count()}
 
 
-def ring_row(net: _netns.Network, config: ClusterConfig) -> dict:
-    """tfstrat's ring on every host of `net`, one process each; the row of its results."""
+def ring_row(net: _netns.Network, config: ClusterConfig, flat: bool = False) -> dict:
+    """tfstrat's ring on every host of `net`, `workers_per_host` processes each (with 2+: by
+    default the two-level exchange; `flat`: one flat ring of them all); its row."""
     n = net.hosts * config.workers_per_host  # the ring's size
     before = net.counters()
-    results = _ring_tasks(net, config, list(config.sizes), 0.0)
+    results = _ring_tasks(net, config, list(config.sizes), 0.0, flat)
+    levels = config.workers_per_host > 1 and not flat
+    if any(r["levels"] != levels for r in results):
+        raise RuntimeError(f"two levels on {[r['levels'] for r in results]}: expected {levels}")
     moved = _netns.counters_delta(before, net.counters())
     streams = None
     if config.stream_seconds > 0 and config.workers_per_host == 1:  # apart: counters above
@@ -102,20 +106,24 @@ def ring_row(net: _netns.Network, config: ClusterConfig) -> dict:
         sizes.append({"bytes": entry["bytes"], "seconds": seconds, "calls": entry["calls"],
                       "bus_bytes_per_s": bus_bytes(entry["bytes"], n) / seconds})  # fmt: skip
     return {
-        "impl": "tfstrat ring",
+        "impl": "tfstrat ring (flat)" if flat else "tfstrat ring",
         "hosts": net.hosts,
         "workers": n,
         "link": net.rate,
         "sizes": sizes,
         "ring_bytes_sent": [r["ring_bytes_sent"] for r in results],
+        "between_hosts_bytes": [r["between_hosts_bytes"] for r in results],
         "interface_bytes": moved,
         "stream_bytes_per_s": streams,
     }
 
 
-def _ring_tasks(net: _netns.Network, config: ClusterConfig, sizes: list, streams: float) -> list:
+def _ring_tasks(
+    net: _netns.Network, config: ClusterConfig, sizes: list, streams: float, flat: bool = False
+) -> list:
     """`_cluster_ring` on every host (its calls of `sizes`, then `streams` seconds of plain
-    TCP streams); every host's result."""
+    TCP streams; `flat`: `TFSTRAT_RING_HOSTS=0`); every host's result. The hosts' addresses
+    differ, so two workers share memory only within a host."""
     k = config.workers_per_host
     addresses = [f"{net.ipv4(i // k)}:{PORT + 2 * (i % k)}" for i in range(net.hosts * k)]
     tasks = []
@@ -124,7 +132,7 @@ def _ring_tasks(net: _netns.Network, config: ClusterConfig, sizes: list, streams
                   "seconds": config.seconds, "timeout": config.timeout,
                   "stream_seconds": streams}  # fmt: skip
         argv = [sys.executable, "-m", "tfstrat.bench._cluster_ring", json.dumps(worker)]
-        env = {"TFSTRAT_RING_SHARED_MEMORY": "0", "PYTHONPATH": _package_root()}
+        env = {"PYTHONPATH": _package_root(), **({"TFSTRAT_RING_HOSTS": "0"} if flat else {})}
         tasks.append(net.start(i // k, argv, env=env, name=f"ring:{i}"))
     budget = config.timeout + len(sizes) * (config.seconds + 30) * 2 + streams + 60
     net.wait(tasks, timeout=budget)
@@ -268,6 +276,8 @@ def run(config: ClusterConfig) -> list[dict]:
             with _netns.Network(hosts, rate=link, hostnames=True) as net:
                 logger.info("cluster: %d hosts, link %s", hosts, link or "unshaped")
                 measured = [ring_row(net, config)]
+                if config.workers_per_host > 1:  # the same workers in one flat ring
+                    measured.append(ring_row(net, config, flat=True))
                 if config.peers:
                     measured.append(mpi_row(net, config))
                 for row in measured:
@@ -478,15 +488,16 @@ def table(rows: list[dict], config: ClusterConfig) -> str:
                "OpenMPI ms", "OpenMPI bus MB/s", "ring / OpenMPI (bus)", "model ms",
                "ring / model (time)"]  # fmt: skip
     body, notes = [], []
-    rings = [r for r in rows if r["impl"] == "tfstrat ring"]
+    rings = [r for r in rows if r["impl"].startswith("tfstrat ring")]
     for ring in rings:
-        peer = next((r for r in rows if r["impl"] != ring["impl"] and _hosts(r) == _hosts(ring)
-                     and r["link"] == ring["link"]), None)  # fmt: skip
+        peer = next((r for r in rows if r["impl"] == "OpenMPI Allreduce"
+                     and _hosts(r) == _hosts(ring) and r["link"] == ring["link"]), None)  # fmt: skip
         mpi = peer["sizes"] if peer and "error" not in peer else [None] * len(ring["sizes"])
         rate = _netns.rate_bits(ring["link"]) / 8 if ring["link"] else None
         for s, m in zip(ring["sizes"], mpi):
             body.append([
-                _hosts(ring), ring["link"] or "unshaped", _size(s["bytes"]),
+                _hosts(ring) + (" flat" if "flat" in ring["impl"] else ""),
+                ring["link"] or "unshaped", _size(s["bytes"]),
                 f"{s['seconds'] * 1e3:.3f}", f"{s['bus_bytes_per_s'] / 1e6:.1f}",
                 f"{s['bus_bytes_per_s'] / rate:.0%}" if rate else "-",
                 f"{m['seconds'] * 1e3:.3f}" if m else "-",
@@ -496,11 +507,11 @@ def table(rows: list[dict], config: ClusterConfig) -> str:
                 f"{s['seconds'] / s['predicted_seconds']:.2f}",
             ])  # fmt: skip
         k = ring.get("workers", ring["hosts"]) // ring["hosts"]
-        # what crosses a host's link: its last worker's sends (the others' stay inside)
-        sent = sum(b for i, b in enumerate(ring["ring_bytes_sent"]) if i % k == k - 1)
+        sent = sum(ring["between_hosts_bytes"])  # what crossed the hosts' links
         wire = sum(h["tx"] for h in ring["interface_bytes"])
         m = ring["model"]
-        where = f"{_hosts(ring)} hosts, {ring['link'] or 'unshaped'}"
+        flat = " (flat)" if "flat" in ring["impl"] else " (two levels)" if k > 1 else ""
+        where = f"{_hosts(ring)} hosts{flat}, {ring['link'] or 'unshaped'}"
         between = " between hosts" if k > 1 else ""
         notes.append(
             f"- {where}: the ring says it sent {sent / 1e6:.1f} MB{between}, the hosts' "
@@ -563,11 +574,12 @@ def _plot(ax, rows):
             continue
         xs = [s["bytes"] for s in row["sizes"]]
         ys = [s["bus_bytes_per_s"] / 1e6 for s in row["sizes"]]
-        ring = row["impl"] == "tfstrat ring"
-        ax.plot(xs, ys, color=colours[row["hosts"]], linestyle="-" if ring else "--",
+        ring = row["impl"].startswith("tfstrat ring")
+        style = ":" if "flat" in row["impl"] else "-" if ring else "--"
+        ax.plot(xs, ys, color=colours[row["hosts"]], linestyle=style,
                 marker="o" if ring else "x", linewidth=2 if row["link"] else 0.8,
                 alpha=1.0 if row["link"] else 0.5,
-                label=f"{'ring' if ring else 'OpenMPI'}, {row['hosts']} hosts, "
+                label=f"{row['impl'][8:] if ring else 'OpenMPI'}, {_hosts(row)} hosts, "
                 f"{row['link'] or 'unshaped'}")  # fmt: skip
     ax.set_xscale("log")
     ax.set_yscale("log")

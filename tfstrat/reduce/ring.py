@@ -19,6 +19,16 @@ any number of blocks of rows to gather (sparse gradients), so a step waits for i
   summed, not once the whole round is in (`Ring._ring_stream`), so the 2(n-1) rounds overlap.
   A vector of 1 KiB or less (flags, counts, a step's extras) goes around whole with the blocks
   instead: n-1 rounds instead of 2(n-1), each worker adding the n vectors in rank order.
+- **Several hosts, several workers on each** (the same number on every host; a host is the
+  host part of the workers' ring addresses): a vector alone goes in two levels
+  (`Ring._by_hosts`). The k workers of a host sum their vectors first among themselves (two:
+  through shared memory); then worker i of every host all-reduces the host's sum's i-th
+  k-th part in a ring of its own across the hosts (k rings at once, each 1/k of the vector);
+  then the host's workers gather the k parts. Each host's link carries 2(H-1)/H of the vector
+  for H hosts, where one flat ring of all H x k workers carries 2(Hk-1)/Hk and waits on Hk-1
+  rounds' latency instead of H-1. These rings listen on ports the OS picks (told to the
+  others through the flat ring at start): set `TFSTRAT_RING_HOSTS=0` on every task to keep one
+  flat ring where only the tfstrat port is open between machines.
 
 One thread does it all with non-blocking sockets (poll: send what the kernel takes, receive
 what has come, sum what is complete), so no thread hand-off sits on a step's path and the sum
@@ -35,6 +45,7 @@ when no byte moves for the ring's timeout, naming the peer it waits for.
 from __future__ import annotations
 
 import logging
+import os
 import select
 import socket
 import struct
@@ -72,11 +83,13 @@ _ACCEPT_HANDSHAKE = 5.0
 # The largest block of rows another worker may send for one gather (a sparse gradient's rows):
 # its size comes from the other worker's header, so it is checked before allocating.
 MAX_BLOCK_ENV = "TFSTRAT_RING_MAX_BLOCK_BYTES"
+# "0": one flat ring even when hosts run several workers each (see the module's docstring).
+HOSTS_ENV = "TFSTRAT_RING_HOSTS"
+_OFF = ("0", "false", "no", "off")
 
 
 def max_block_bytes() -> int:
     """The most bytes one gathered block may have (`TFSTRAT_RING_MAX_BLOCK_BYTES`, 4 GiB)."""
-    import os
 
     raw = os.environ.get(MAX_BLOCK_ENV)
     try:
@@ -99,6 +112,8 @@ class Ring:
         names: how errors name each worker (e.g. TensorFlow's "/job:worker/replica:0/task:1").
         key: the job's secret both neighbours must prove (`tfstrat.cluster.secret`); None:
             this task's (`TFSTRAT_SECRET` / `TFSTRAT_SECRET_FILE`).
+        by_host: this worker wants the two-level exchange where hosts run several workers each
+            (None: unless `TFSTRAT_RING_HOSTS=0`); it is built only if every worker wants it.
     """
 
     def __init__(
@@ -109,10 +124,12 @@ class Ring:
         timeout: float,
         names: list[str] | None = None,
         key: bytes | None = None,
+        by_host: bool | None = None,
     ):
         self.rank, self.size, self.timeout = rank, len(addresses), timeout
         self.addresses = addresses
         names = names or [f"worker {i}" for i in range(self.size)]
+        self._task_names = names
         self.names = [f"{n} (ring at {a})" for n, a in zip(names, addresses)]
         self.calls = 0
         self.max_block = max_block_bytes()  # read now: a bad value fails at start, by name
@@ -156,12 +173,23 @@ class Ring:
             )
         self._next = connected["socket"]
         listener.close()
-        # Two workers on one machine: their messages go through shared memory.
-        self._shared = self._share_memory(timeout) if self.size == 2 else None
+        # Two workers on one machine (one host in their addresses): through shared memory.
+        one_host = len({_ports.split(a)[0] for a in addresses}) == 1
+        self._shared = self._share_memory(timeout) if self.size == 2 and one_host else None
         for s in (self._next, self._prev):
             s.setblocking(False)
         self._poll = select.poll()
         self._sender = _Sender(self)
+        #: The two-level exchange's rings: (this host's workers, worker i of every host).
+        self._levels: tuple[Ring, Ring] | None = None
+        if self.size > 2:
+            if by_host is None:
+                by_host = os.environ.get(HOSTS_ENV, "1").strip().lower() not in _OFF
+            try:
+                self._levels = self._connect_levels(timeout, key, by_host)
+            except BaseException:
+                self.close()
+                raise
 
     def _share_memory(self, timeout: float):
         """(this worker's region, the other's) if both workers can open each other's memory
@@ -189,6 +217,65 @@ class Ring:
             return None
         logger.info("tfstrat ring: %s shares memory with this worker", self._prev_name)
         return region, peer
+
+    def _connect_levels(self, timeout: float, key: bytes, wanted: bool) -> tuple[Ring, Ring] | None:
+        """The two-level exchange's rings, when every host (the host part of the addresses)
+        has the same number k >= 2 of workers and there are 2 or more hosts; else None.
+
+        Each worker listens on two ports the OS picks and tells every worker through one
+        all-gather on this ring, in which each also says whether it wants the levels
+        (`TFSTRAT_RING_HOSTS`): they are built only if every worker does, so all decide alike.
+        """
+        by_host: dict[str, list[int]] = {}
+        for i, address in enumerate(self.addresses):
+            by_host.setdefault(_ports.split(address)[0], []).append(i)
+        hosts = list(by_host.values())  # by their first rank
+        k = len(hosts[0])
+        if len(hosts) < 2 or k < 2 or any(len(h) != k for h in hosts):
+            return None
+        me = _ports.split(self.addresses[self.rank])[0]
+        task = self._task_names[self.rank]
+        listeners = [listen(me, 0, task) for _ in range(2)] if wanted else []
+        try:
+            ports = [s.getsockname()[1] for s in listeners] or [0, 0]
+            rows = self.all_gather(np.array([[int(wanted), *ports]], np.int64))
+            if not rows[:, 0].all():
+                logger.info("tfstrat ring: one flat ring (%s=0 on a worker)", HOSTS_ENV)
+                return None
+            host = next(h for h in hosts if self.rank in h)
+            i, h = host.index(self.rank), hosts.index(host)
+
+            def ring_of(ranks: list[int], place: int, column: int, listener) -> Ring:
+                addresses = [
+                    _ports.join(_ports.split(self.addresses[j])[0], int(rows[j, column]))
+                    for j in ranks
+                ]
+                names = [self._task_names[j] for j in ranks]
+                return Ring(place, addresses, listener, timeout, names, key)  # each: flat
+
+            try:
+                local = ring_of(host, i, 1, listeners[0])
+                across = ring_of([g[i] for g in hosts], h, 2, listeners[1])
+            except RingError as e:
+                raise RingError(
+                    f"{e} (while connecting the rings between this host's {k} workers and "
+                    f"across the {len(hosts)} hosts, on ports the OS picked: where a firewall "
+                    f"opens only the tfstrat port, set {HOSTS_ENV}=0 on every task)"
+                ) from e
+        finally:
+            _close(*listeners)
+        logger.info(
+            "tfstrat ring: %d hosts x %d workers: a vector alone is summed within the host "
+            "(%s), then across the hosts in %d rings of 1/%d of it each",
+            len(hosts), k, local.transport, k, k,
+        )  # fmt: skip
+        return local, across
+
+    @property
+    def levels(self) -> tuple[Ring, Ring] | None:
+        """The two-level exchange's rings (this host's workers, worker i of every host), or
+        None: one flat ring."""
+        return self._levels
 
     @property
     def transport(self) -> str:
@@ -235,6 +322,8 @@ class Ring:
                     return summed, [g.copy() for g in gathers]
                 if self.size == 2:
                     return self._pair(reduce, gathers)
+                if self._levels and reduce is not None and not gathers:
+                    return self._by_hosts(reduce), []
                 return self._ring(reduce, gathers)
             except BaseException as e:
                 self._error = e
@@ -243,8 +332,12 @@ class Ring:
     def set_timeout(self, timeout: float) -> None:
         """Every later call may go up to `timeout` seconds without a byte moving."""
         self.timeout = timeout
+        for level in self._levels or ():
+            level.set_timeout(timeout)
 
     def close(self):
+        for level in getattr(self, "_levels", None) or ():
+            level.close()
         self._sender.stop()
         for r in self._shared or ():
             r.close()
@@ -303,6 +396,21 @@ class Ring:
         if summed is not None:
             summed = summed.reshape(reduce.shape)
         return summed, [t.result() for t in targets[0 if flat is None else 1 :]]
+
+    def _by_hosts(self, reduce: np.ndarray) -> np.ndarray:
+        """Several workers on each host, a vector alone: summed within the host, its k parts
+        across the hosts (worker i: part i), gathered within the host. Every worker gets the
+        same bits: each level's result is the same on all of its workers."""
+        local, across = self._levels
+        before = local.bytes_sent + across.bytes_sent, local.shared_bytes
+        flat = reduce.reshape(-1)
+        host_sum = local.exchange(flat, [])[0]
+        bounds = np.linspace(0, flat.size, local.size + 1).astype(np.int64)
+        part = host_sum[bounds[local.rank] : bounds[local.rank + 1]]
+        summed = local.exchange(None, [across.exchange(part, [])[0]])[1][0]
+        self.bytes_sent += local.bytes_sent + across.bytes_sent - before[0]
+        self.shared_bytes += local.shared_bytes - before[1]
+        return summed.reshape(reduce.shape)
 
     def _ring(self, reduce, gathers):
         """3+ workers: reduce-scatter then all-gather around the ring; the blocks to gather
