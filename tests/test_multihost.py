@@ -236,7 +236,8 @@ def test_multi_node_launcher_once_per_host(net, reference, tmp_path):
     """examples/clusters/two_machines.sh's layout: `tfstrat launch --nodes node0,node1
     --node-rank R --workers-per-node 2 --ps-per-node 1,0` started once on each host. Node 0
     holds worker:0, worker:1 and ps:0 (ports 2222, 2224, 2226), node 1 worker:2 and worker:3;
-    Hybrid, the table on ps:0."""
+    Hybrid, the table on ps:0, the dense part all-reduced in two levels (within each host,
+    then across): equal to one device."""
     _copy_init(reference, tmp_path)
     nodes = ",".join(net.names[:2])
     launchers = [
@@ -270,7 +271,8 @@ def test_multi_node_launcher_once_per_host(net, reference, tmp_path):
                 "--model",
                 "hybrid",
             ],
-            env={"PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2", **APART},
+            # A host's two workers share memory (the hosts' addresses differ: never between)
+            env={"PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2"},
             name=f"launcher node {rank}",
             cwd=WORKERS,
         )  # fmt: skip
@@ -286,6 +288,8 @@ def test_multi_node_launcher_once_per_host(net, reference, tmp_path):
         line = f"node {rank} (node{rank}) of 2 nodes starts {names}; cluster {cluster}"
         assert line in launchers[rank].output(limit=10**6), log
     assert f"ps:0 tables at {net.ipv4(0)}:{PORT + 5}" in log, log
+    # The dense gradients: summed within each host (shared memory), then across the hosts.
+    assert "within this host first (shared memory), then one worker a host" in log, log
 
 
 @pytest.mark.timeout(240)

@@ -258,19 +258,22 @@ def test_streamed_workers_reducing_different_things_fail_saying_so(odd):
 @pytest.mark.parametrize("hosts,k", [(2, 2), (3, 2), (2, 3)])
 def test_hosts_with_several_workers_sum_within_the_host_then_across(hosts, k, transport):
     """H hosts x k workers: a vector alone is summed within each host (two workers: through
-    shared memory), its k parts across the hosts in k rings, then gathered within the host:
-    the same bits on every worker, and each worker sends 1/k of the across-hosts traffic."""
+    shared memory), across the hosts by each host's first worker, and handed back: the same
+    bits on every worker, and only the first workers send across the hosts, 2(H-1)/H of it."""
     rings = _host_rings(hosts, k)
     n = hosts * k
-    local, across = rings[0]._levels
-    assert (local.size, across.size) == (k, hosts)
     shared = k == 2 and transport == "shared memory"
-    assert local.transport == ("shared memory" if shared else "tcp")
-    assert across.transport == "tcp"  # other hosts: never shared memory
+    for i, r in enumerate(rings):
+        local, across = r.levels
+        assert local.size == k and local.transport == ("shared memory" if shared else "tcp")
+        if i % k:
+            assert across is None, i
+        else:
+            assert across.size == hosts and across.transport == "tcp"  # never shared memory
     rng = np.random.default_rng(hosts * k)
-    for shape in [(), (1,), (5,), (3, 7), (1 << 18,)]:
+    for shape in [(), (0,), (1,), (5,), (3, 7), (1 << 18,)]:
         xs = [rng.standard_normal(shape).astype(np.float32) for _ in range(n)]
-        sent = [r._levels[1].bytes_sent for r in rings]
+        sent = [r.levels[1].bytes_sent if r.levels[1] else 0 for r in rings]
         outs, errors = _on_threads(lambda i, xs=xs: rings[i].all_reduce(xs[i]), n)
         assert not any(errors), errors
         for out in outs:
@@ -279,10 +282,11 @@ def test_hosts_with_several_workers_sum_within_the_host_then_across(hosts, k, tr
             np.testing.assert_array_equal(out.view(np.uint32), outs[0].view(np.uint32))
         if (hosts, k) == (2, 2):  # (x0 + x1) + (x2 + x3) exactly: host sums, then across
             np.testing.assert_array_equal(outs[0], (xs[0] + xs[1]) + (xs[2] + xs[3]))
-        if shape == (1 << 18,):  # across: each worker its 1/k part, both ways for 2 hosts
-            part = xs[0].nbytes / k * (1 if hosts == 2 else 2 * (hosts - 1) / hosts)
-            for r, before in zip(rings, sent):
-                assert part <= r._levels[1].bytes_sent - before < part + 1024
+        if shape == (1 << 18,):  # across: the whole vector, 2(H-1)/H of it for 3+ hosts
+            part = xs[0].nbytes * (1 if hosts == 2 else 2 * (hosts - 1) / hosts)
+            for i, (r, before) in enumerate(zip(rings, sent)):
+                if i % k == 0:
+                    assert part <= r.levels[1].bytes_sent - before < part + 1024
             if shared:
                 assert rings[0].shared_bytes > xs[0].nbytes  # within the host: no socket
     # Blocks to gather (with or without a vector) take the flat ring: by rank, as always.
@@ -296,27 +300,41 @@ def test_hosts_with_several_workers_sum_within_the_host_then_across(hosts, k, tr
         r.close()
 
 
-def test_two_levels_only_where_hosts_have_the_same_workers_and_every_worker_wants_them(
-    monkeypatch,
-):
-    where = ["127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.2", "127.0.0.2"]  # 2 + 3
+def _rings_at(where, options=None):
+    """Rings at these hosts (127.0.0.x: one host each), worker i's made with options[i]."""
     listeners = [ring.listen(h) for h in where]
     addresses = [_ports.join(h, s.getsockname()[1]) for h, s in zip(where, listeners)]
-    rings, errors = _on_threads(lambda i: ring.Ring(i, addresses, listeners[i], 30.0), 5)
-    assert not any(errors) and all(r._levels is None for r in rings), errors
-    for r in rings:
-        r.close()
-    # One worker that does not want them (TFSTRAT_RING_HOSTS=0 there): one flat ring on all.
-    where = ["127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.2"]
-    listeners = [ring.listen(h) for h in where]
-    addresses = [_ports.join(h, s.getsockname()[1]) for h, s in zip(where, listeners)]
-    monkeypatch.setenv(ring.HOSTS_ENV, "0")
 
     def make(i):
-        return ring.Ring(i, addresses, listeners[i], 30.0, by_host=None if i == 3 else True)  # env
+        return ring.Ring(i, addresses, listeners[i], 30.0, **(options or {}).get(i, {}))
 
-    rings, errors = _on_threads(make, 4)
-    assert not any(errors) and all(r._levels is None for r in rings), errors
+    rings, errors = _on_threads(make, len(where))
+    assert not any(errors), errors
+    return rings
+
+
+def test_two_levels_where_a_host_has_several_workers_and_every_worker_wants_them(monkeypatch):
+    # 1 + 3 workers (a chief alone on its host): the lone worker's host sum is its vector.
+    rings = _rings_at(["127.0.0.1", "127.0.0.2", "127.0.0.2", "127.0.0.2"])
+    assert [r.levels[0] is None for r in rings] == [True, False, False, False]
+    assert [r.levels[1] is None for r in rings] == [False, False, True, True]
+    outs, errors = _on_threads(lambda i: rings[i].all_reduce(np.full(1000, i, np.float32)), 4)
+    assert not any(errors), errors
+    for out in outs:
+        np.testing.assert_array_equal(out, np.full(1000, 6))
+    for r in rings:
+        r.close()
+    # One worker per host, or one host: the flat ring is all there is.
+    for where in (["127.0.0.1", "127.0.0.2", "127.0.0.3"], ["127.0.0.1"] * 3):
+        rings = _rings_at(where)
+        assert all(r.levels is None for r in rings), where
+        for r in rings:
+            r.close()
+    # One worker that does not want them (TFSTRAT_RING_HOSTS=0 there): one flat ring on all.
+    monkeypatch.setenv(ring.HOSTS_ENV, "0")
+    wants = {i: {"by_host": True} for i in range(3)}  # worker 3 reads the environment
+    rings = _rings_at(["127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.2"], wants)
+    assert all(r.levels is None for r in rings)
     outs, errors = _on_threads(lambda i: rings[i].all_reduce(np.full(1000, i, np.float32)), 4)
     assert not any(errors), errors
     for out in outs:

@@ -71,8 +71,9 @@ def _between_hosts(r) -> int:
     if r.levels is None:
         return r.bytes_sent if host(r.rank + 1) != host(r.rank) else 0
     local, across = r.levels
-    flat = r.bytes_sent - local.bytes_sent - across.bytes_sent  # its own calls (the start's)
-    return across.bytes_sent + (flat if host(r.rank + 1) != host(r.rank) else 0)
+    a = across.bytes_sent if across else 0
+    flat = r.bytes_sent - a - (local.bytes_sent if local else 0)  # its own calls (the start's)
+    return a + (flat if host(r.rank + 1) != host(r.rank) else 0)
 
 
 def streams(rank: int, addresses: list[str], seconds: float) -> float:

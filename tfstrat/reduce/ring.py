@@ -19,16 +19,15 @@ any number of blocks of rows to gather (sparse gradients), so a step waits for i
   summed, not once the whole round is in (`Ring._ring_stream`), so the 2(n-1) rounds overlap.
   A vector of 1 KiB or less (flags, counts, a step's extras) goes around whole with the blocks
   instead: n-1 rounds instead of 2(n-1), each worker adding the n vectors in rank order.
-- **Several hosts, several workers on each** (the same number on every host; a host is the
-  host part of the workers' ring addresses): a vector alone goes in two levels
-  (`Ring._by_hosts`). The k workers of a host sum their vectors first among themselves (two:
-  through shared memory); then worker i of every host all-reduces the host's sum's i-th
-  k-th part in a ring of its own across the hosts (k rings at once, each 1/k of the vector);
-  then the host's workers gather the k parts. Each host's link carries 2(H-1)/H of the vector
-  for H hosts, where one flat ring of all H x k workers carries 2(Hk-1)/Hk and waits on Hk-1
-  rounds' latency instead of H-1. These rings listen on ports the OS picks (told to the
-  others through the flat ring at start): set `TFSTRAT_RING_HOSTS=0` on every task to keep one
-  flat ring where only the tfstrat port is open between machines.
+- **Workers on several hosts, several on one of them** (a host is the host part of the
+  workers' ring addresses): a vector alone goes in two levels (`Ring._by_hosts`). A host's
+  workers sum their vectors among themselves (two: through shared memory), each host's first
+  worker all-reduces that sum with the other hosts' first workers in a ring of their own, and
+  hands the result back to its host's workers. Each host's link carries 2(H-1)/H of the vector
+  for H hosts, where one flat ring of all N workers carries 2(N-1)/N of it, and waits on H-1
+  rounds' latency instead of N-1. These rings listen on ports the OS picks (told to the others
+  through the flat ring at start): set `TFSTRAT_RING_HOSTS=0` on every task to keep one flat
+  ring where only the tfstrat port is open between machines.
 
 One thread does it all with non-blocking sockets (poll: send what the kernel takes, receive
 what has come, sum what is complete), so no thread hand-off sits on a step's path and the sum
@@ -180,8 +179,8 @@ class Ring:
             s.setblocking(False)
         self._poll = select.poll()
         self._sender = _Sender(self)
-        #: The two-level exchange's rings: (this host's workers, worker i of every host).
-        self._levels: tuple[Ring, Ring] | None = None
+        #: The two-level exchange's rings (`levels`).
+        self._levels: tuple[Ring | None, Ring | None] | None = None
         if self.size > 2:
             if by_host is None:
                 by_host = os.environ.get(HOSTS_ENV, "1").strip().lower() not in _OFF
@@ -218,11 +217,12 @@ class Ring:
         logger.info("tfstrat ring: %s shares memory with this worker", self._prev_name)
         return region, peer
 
-    def _connect_levels(self, timeout: float, key: bytes, wanted: bool) -> tuple[Ring, Ring] | None:
-        """The two-level exchange's rings, when every host (the host part of the addresses)
-        has the same number k >= 2 of workers and there are 2 or more hosts; else None.
+    def _connect_levels(self, timeout: float, key: bytes, wanted: bool):
+        """The two-level exchange's rings (this host's workers or None when it is alone on its
+        host, the hosts' first workers or None on the others), when there are 2 or more
+        hosts (the host parts of the addresses) and one of them has several workers; else None.
 
-        Each worker listens on two ports the OS picks and tells every worker through one
+        Each worker listens on the ports the OS picks and tells every worker through one
         all-gather on this ring, in which each also says whether it wants the levels
         (`TFSTRAT_RING_HOSTS`): they are built only if every worker does, so all decide alike.
         """
@@ -230,51 +230,53 @@ class Ring:
         for i, address in enumerate(self.addresses):
             by_host.setdefault(_ports.split(address)[0], []).append(i)
         hosts = list(by_host.values())  # by their first rank
-        k = len(hosts[0])
-        if len(hosts) < 2 or k < 2 or any(len(h) != k for h in hosts):
+        if len(hosts) < 2 or len(hosts) == self.size:
             return None
-        me = _ports.split(self.addresses[self.rank])[0]
-        task = self._task_names[self.rank]
-        listeners = [listen(me, 0, task) for _ in range(2)] if wanted else []
+        host = next(h for h in hosts if self.rank in h)
+        leaders = [h[0] for h in hosts]
+        me, task = _ports.split(self.addresses[self.rank])[0], self._task_names[self.rank]
+        needs = (len(host) > 1, self.rank in leaders)  # a local ring, the ring across
+        listeners = [listen(me, 0, task) if need and wanted else None for need in needs]
         try:
-            ports = [s.getsockname()[1] for s in listeners] or [0, 0]
+            ports = [s.getsockname()[1] if s else 0 for s in listeners]
             rows = self.all_gather(np.array([[int(wanted), *ports]], np.int64))
             if not rows[:, 0].all():
                 logger.info("tfstrat ring: one flat ring (%s=0 on a worker)", HOSTS_ENV)
                 return None
-            host = next(h for h in hosts if self.rank in h)
-            i, h = host.index(self.rank), hosts.index(host)
 
-            def ring_of(ranks: list[int], place: int, column: int, listener) -> Ring:
+            def ring_of(ranks: list[int], column: int) -> Ring | None:
+                if self.rank not in ranks or len(ranks) < 2:
+                    return None
                 addresses = [
                     _ports.join(_ports.split(self.addresses[j])[0], int(rows[j, column]))
                     for j in ranks
                 ]
                 names = [self._task_names[j] for j in ranks]
-                return Ring(place, addresses, listener, timeout, names, key)  # each: flat
+                listener = listeners[column - 1]
+                return Ring(ranks.index(self.rank), addresses, listener, timeout, names, key)
 
             try:
-                local = ring_of(host, i, 1, listeners[0])
-                across = ring_of([g[i] for g in hosts], h, 2, listeners[1])
+                local = ring_of(host, 1)
+                across = ring_of(leaders, 2)
             except RingError as e:
                 raise RingError(
-                    f"{e} (while connecting the rings between this host's {k} workers and "
-                    f"across the {len(hosts)} hosts, on ports the OS picked: where a firewall "
-                    f"opens only the tfstrat port, set {HOSTS_ENV}=0 on every task)"
+                    f"{e} (while connecting the rings within this host and across the "
+                    f"{len(hosts)} hosts, on ports the OS picked: where a firewall opens only "
+                    f"the tfstrat port, set {HOSTS_ENV}=0 on every task)"
                 ) from e
         finally:
             _close(*listeners)
         logger.info(
-            "tfstrat ring: %d hosts x %d workers: a vector alone is summed within the host "
-            "(%s), then across the hosts in %d rings of 1/%d of it each",
-            len(hosts), k, local.transport, k, k,
+            "tfstrat ring: %d workers on %d hosts: a vector alone is summed within each host "
+            "(%s), across the hosts by one worker each, and handed back within the host",
+            self.size, len(hosts), local.transport if local else "alone",
         )  # fmt: skip
         return local, across
 
     @property
-    def levels(self) -> tuple[Ring, Ring] | None:
-        """The two-level exchange's rings (this host's workers, worker i of every host), or
-        None: one flat ring."""
+    def levels(self) -> tuple[Ring | None, Ring | None] | None:
+        """The two-level exchange's rings (this host's workers, or None when alone on its
+        host; the hosts' first workers, or None on the others), or None: one flat ring."""
         return self._levels
 
     @property
@@ -332,11 +334,11 @@ class Ring:
     def set_timeout(self, timeout: float) -> None:
         """Every later call may go up to `timeout` seconds without a byte moving."""
         self.timeout = timeout
-        for level in self._levels or ():
+        for level in filter(None, self._levels or ()):
             level.set_timeout(timeout)
 
     def close(self):
-        for level in getattr(self, "_levels", None) or ():
+        for level in filter(None, getattr(self, "_levels", None) or ()):
             level.close()
         self._sender.stop()
         for r in self._shared or ():
@@ -398,18 +400,20 @@ class Ring:
         return summed, [t.result() for t in targets[0 if flat is None else 1 :]]
 
     def _by_hosts(self, reduce: np.ndarray) -> np.ndarray:
-        """Several workers on each host, a vector alone: summed within the host, its k parts
-        across the hosts (worker i: part i), gathered within the host. Every worker gets the
+        """A vector alone, workers on several hosts: summed within each host, across the
+        hosts by each host's first worker, handed back within the host. Every worker gets the
         same bits: each level's result is the same on all of its workers."""
         local, across = self._levels
-        before = local.bytes_sent + across.bytes_sent, local.shared_bytes
+        before = sum(r.bytes_sent for r in (local, across) if r)
+        shared = local.shared_bytes if local else 0
         flat = reduce.reshape(-1)
-        host_sum = local.exchange(flat, [])[0]
-        bounds = np.linspace(0, flat.size, local.size + 1).astype(np.int64)
-        part = host_sum[bounds[local.rank] : bounds[local.rank + 1]]
-        summed = local.exchange(None, [across.exchange(part, [])[0]])[1][0]
-        self.bytes_sent += local.bytes_sent + across.bytes_sent - before[0]
-        self.shared_bytes += local.shared_bytes - before[1]
+        summed = local.exchange(flat, [])[0] if local else flat
+        if across:  # this host's first worker
+            summed = across.exchange(summed, [])[0]
+        if local:  # the first worker's sum, to the others (they send nothing)
+            summed = local.exchange(None, [summed if across else flat[:0]])[1][0]
+        self.bytes_sent += sum(r.bytes_sent for r in (local, across) if r) - before
+        self.shared_bytes += (local.shared_bytes if local else 0) - shared
         return summed.reshape(reduce.shape)
 
     def _ring(self, reduce, gathers):

@@ -585,6 +585,13 @@ def _task_name_of(tf_config: TFConfig | None) -> str:
 def _ring_words(ring_) -> str:
     if ring_ is not None and ring_.transport == "shared memory":
         return "tcp ring (dense; shared memory with the other worker), TensorFlow ring (the rest)"
+    if ring_ is not None and ring_.levels is not None:
+        local = ring_.levels[0]
+        within = local.transport if local else "alone on its host"
+        return (
+            f"tcp ring (dense: within this host first ({within}), then one worker a host "
+            "across the hosts), TensorFlow ring (the rest)"
+        )
     return "tcp ring (dense), TensorFlow ring (the rest)"
 
 
