@@ -266,6 +266,8 @@ def test_hosts_with_several_workers_sum_within_the_host_then_across(hosts, k, tr
     for i, r in enumerate(rings):
         local, across = r.levels
         assert local.size == k and local.transport == ("shared memory" if shared else "tcp")
+        # on the flat ring's listeners: no other port opens
+        assert set(local.addresses) < set(r.addresses), (local.addresses, r.addresses)
         if i % k:
             assert across is None, i
         else:

@@ -25,9 +25,8 @@ any number of blocks of rows to gather (sparse gradients), so a step waits for i
   worker all-reduces that sum with the other hosts' first workers in a ring of their own, and
   hands the result back to its host's workers. Each host's link carries 2(H-1)/H of the vector
   for H hosts, where one flat ring of all N workers carries 2(N-1)/N of it, and waits on H-1
-  rounds' latency instead of N-1. These rings listen on ports the OS picks (told to the others
-  through the flat ring at start): set `TFSTRAT_RING_HOSTS=0` on every task to keep one flat
-  ring where only the tfstrat port is open between machines.
+  rounds' latency instead of N-1. These rings connect on the same listeners (the tfstrat
+  port); `TFSTRAT_RING_HOSTS=0` on any task keeps one flat ring.
 
 One thread does it all with non-blocking sockets (poll: send what the kernel takes, receive
 what has come, sum what is complete), so no thread hand-off sits on a step's path and the sum
@@ -171,7 +170,6 @@ class Ring:
                 f"connecting to {self.names[nxt]} took over {2 * timeout} s"
             )
         self._next = connected["socket"]
-        listener.close()
         # Two workers on one machine (one host in their addresses): through shared memory.
         one_host = len({_ports.split(a)[0] for a in addresses}) == 1
         self._shared = self._share_memory(timeout) if self.size == 2 and one_host else None
@@ -181,14 +179,16 @@ class Ring:
         self._sender = _Sender(self)
         #: The two-level exchange's rings (`levels`).
         self._levels: tuple[Ring | None, Ring | None] | None = None
-        if self.size > 2:
-            if by_host is None:
-                by_host = os.environ.get(HOSTS_ENV, "1").strip().lower() not in _OFF
-            try:
-                self._levels = self._connect_levels(timeout, key, by_host)
-            except BaseException:
-                self.close()
-                raise
+        try:
+            if self.size > 2:
+                if by_host is None:
+                    by_host = os.environ.get(HOSTS_ENV, "1").strip().lower() not in _OFF
+                self._levels = self._connect_levels(listener, timeout, key, by_host)
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            listener.close()
 
     def _share_memory(self, timeout: float):
         """(this worker's region, the other's) if both workers can open each other's memory
@@ -217,14 +217,16 @@ class Ring:
         logger.info("tfstrat ring: %s shares memory with this worker", self._prev_name)
         return region, peer
 
-    def _connect_levels(self, timeout: float, key: bytes, wanted: bool):
+    def _connect_levels(self, listener: socket.socket, timeout: float, key: bytes, wanted):
         """The two-level exchange's rings (this host's workers or None when it is alone on its
         host, the hosts' first workers or None on the others), when there are 2 or more
         hosts (the host parts of the addresses) and one of them has several workers; else None.
 
-        Each worker listens on the ports the OS picks and tells every worker through one
-        all-gather on this ring, in which each also says whether it wants the levels
-        (`TFSTRAT_RING_HOSTS`): they are built only if every worker does, so all decide alike.
+        They connect on the flat ring's listeners (no other port): first every host's ring,
+        then, once every worker has its own (an all-reduce on the flat ring waits for all),
+        the ring across, so a listener only ever sees the connection it waits for. An
+        all-gather first says whether every worker wants them (`TFSTRAT_RING_HOSTS`), so all
+        decide alike.
         """
         by_host: dict[str, list[int]] = {}
         for i, address in enumerate(self.addresses):
@@ -232,40 +234,31 @@ class Ring:
         hosts = list(by_host.values())  # by their first rank
         if len(hosts) < 2 or len(hosts) == self.size:
             return None
+        if not self.all_gather(np.array([wanted], np.int8)).all():
+            logger.info("tfstrat ring: one flat ring (%s=0 on a worker)", HOSTS_ENV)
+            return None
         host = next(h for h in hosts if self.rank in h)
         leaders = [h[0] for h in hosts]
-        me, task = _ports.split(self.addresses[self.rank])[0], self._task_names[self.rank]
-        needs = (len(host) > 1, self.rank in leaders)  # a local ring, the ring across
-        listeners = [listen(me, 0, task) if need and wanted else None for need in needs]
-        try:
-            ports = [s.getsockname()[1] if s else 0 for s in listeners]
-            rows = self.all_gather(np.array([[int(wanted), *ports]], np.int64))
-            if not rows[:, 0].all():
-                logger.info("tfstrat ring: one flat ring (%s=0 on a worker)", HOSTS_ENV)
+
+        def ring_of(ranks: list[int]) -> Ring | None:
+            if self.rank not in ranks or len(ranks) < 2:
                 return None
+            return Ring(
+                ranks.index(self.rank),
+                [self.addresses[j] for j in ranks],
+                listener.dup(),  # closed by that ring; this one stays open for the next
+                timeout,
+                [self._task_names[j] for j in ranks],
+                key,
+            )
 
-            def ring_of(ranks: list[int], column: int) -> Ring | None:
-                if self.rank not in ranks or len(ranks) < 2:
-                    return None
-                addresses = [
-                    _ports.join(_ports.split(self.addresses[j])[0], int(rows[j, column]))
-                    for j in ranks
-                ]
-                names = [self._task_names[j] for j in ranks]
-                listener = listeners[column - 1]
-                return Ring(ranks.index(self.rank), addresses, listener, timeout, names, key)
-
-            try:
-                local = ring_of(host, 1)
-                across = ring_of(leaders, 2)
-            except RingError as e:
-                raise RingError(
-                    f"{e} (while connecting the rings within this host and across the "
-                    f"{len(hosts)} hosts, on ports the OS picked: where a firewall opens only "
-                    f"the tfstrat port, set {HOSTS_ENV}=0 on every task)"
-                ) from e
-        finally:
-            _close(*listeners)
+        local = ring_of(host)
+        try:
+            self.all_reduce(np.zeros(1, np.int8))  # every host's ring is made
+            across = ring_of(leaders)
+        except BaseException:
+            _close(local)
+            raise
         logger.info(
             "tfstrat ring: %d workers on %d hosts: a vector alone is summed within each host "
             "(%s), across the hosts by one worker each, and handed back within the host",
