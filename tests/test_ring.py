@@ -446,6 +446,19 @@ def test_a_silent_peer_times_out_naming_it():
     assert time.monotonic() - started < 1.0 + 5, "the 1 s timeout, and a busy machine's slack"
 
 
+def test_a_worker_stuck_on_both_sides_names_both_neighbours():
+    """3 workers, worker 2 never calls: worker 1 has all of worker 0's first round, cannot
+    pass it on to worker 2 (which reads nothing) and waits for worker 0's next round (which
+    needs worker 2's): its error names both, the one not reading among them."""
+    rings, _ = _rings(3, timeout=1.0)
+    x = np.ones(16 << 20, np.float32)  # far more than the sockets' buffers hold
+    _, errors = _on_threads(lambda i: rings[i].all_reduce(x), 2)
+    assert "worker 0 (ring at" in str(errors[1]) and "worker 2 (ring at" in str(errors[1]), errors
+    assert "sent nothing for 1.0 s, and" in str(errors[1]) and "took nothing" in str(errors[1])
+    for r in rings:
+        r.close()
+
+
 def test_a_missing_peer_fails_the_connect_within_the_timeout():
     listener = ring.listen("127.0.0.1")
     dead = ring.listen("127.0.0.1")

@@ -478,7 +478,7 @@ class Ring:
         header = _HEADER.pack(self.calls, 1) + _SIZE.pack(total)
         self.bytes_sent += len(header) + total
         pending = [memoryview(header)]  # what may go now, in order
-        out_t, queued = 0, 0  # the round being queued, its bytes queued
+        out_t, queued, tail = 0, 0, -1  # the round being queued, its bytes queued, pending[-1]'s
         in_t, got, done = -1, 0, 0  # the round coming in (-1: the header), bytes in, summed
         head = bytearray(len(header))
         target = memoryview(head)
@@ -522,9 +522,13 @@ class Ring:
                     source = flat if out_t == 0 else summed
                     whole = chunk(source, r - out_t)
                     ready = whole.nbytes if out_t == 0 else arrived(out_t - 1)
-                    if ready > queued:  # (the all-gather's: as they come, a view per recv)
-                        pending.append(_bytes_of(whole)[queued:ready])
-                        queued = ready
+                    if ready > queued:  # (the all-gather's: as they come)
+                        view = _bytes_of(whole)
+                        if pending and tail == out_t:  # one view of the round's queued bytes
+                            pending[-1] = view[queued - pending[-1].nbytes : ready]
+                        else:
+                            pending.append(view[queued:ready])
+                        tail, queued = out_t, ready
                     if queued < whole.nbytes:
                         break
                     out_t, queued = out_t + 1, 0
@@ -564,14 +568,17 @@ class Ring:
                 want(self._next, select.POLLOUT, bool(pending))
                 want(self._prev, select.POLLIN, receiving)
                 if not poll.poll(self.timeout * 1000):
-                    raise self._stalled(receiving)
+                    raise self._stalled(receiving, bool(pending))
         finally:
             for sock in list(registered):
                 poll.unregister(sock)
         return summed.reshape(reduce.shape)
 
-    def _stalled(self, receiving: bool) -> RingError:
-        """No byte moved for the timeout: names the worker waited for."""
+    def _stalled(self, receiving: bool, sending: bool = False) -> RingError:
+        """No byte moved for the timeout: names the worker(s) waited for."""
+        if receiving and sending:  # either neighbour may be the one stuck
+            also = "took nothing" if self.size == 2 else f"{self._next_name} took nothing"
+            return RingError(f"{self._prev_name} sent nothing for {self.timeout} s, and {also}")
         return RingError(
             f"{self._prev_name} sent nothing for {self.timeout} s"
             if receiving
@@ -672,7 +679,7 @@ class Ring:
                 if not (sending or receiving):
                     return incoming
                 if not poll.poll(self.timeout * 1000):
-                    raise self._stalled(receiving)
+                    raise self._stalled(receiving, sending)
         finally:
             for s in (self._next, self._prev):
                 try:
