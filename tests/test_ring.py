@@ -107,38 +107,78 @@ def test_sums_every_size_and_shape(n):
         r.close()
 
 
-@pytest.mark.parametrize("n", [3, 4])
-def test_a_small_vector_goes_around_whole_in_n_minus_1_rounds(n):
-    """3+ workers, a vector of at most 1 KiB: each worker's whole vector goes around the ring
-    with the blocks to gather (n-1 rounds, not 2(n-1)), and each adds them in rank order: the
-    exact sum in rank order on every worker; a larger vector takes the reduce-scatter."""
+@pytest.mark.parametrize("n", [3, 4, 5, 8])
+def test_a_small_vector_alone_goes_by_recursive_doubling(n):
+    """3+ workers, a vector of at most 1 KiB alone: workers P..n-1 (P the largest power of two
+    <= n) hand theirs to worker r - P, workers 0..P-1 swap partial sums with the worker whose
+    rank differs in one bit (log2 P rounds) and hand the sum back: one message per partner
+    and round, exactly those sums on every worker; a larger vector takes the ring's stream."""
     rings, _ = _rings(n)
     rng = np.random.default_rng(7)
-    header = ring._HEADER.size + ring._SIZE.size  # one part a round
-    for size, rounds in ((4, n - 1), (1024, n - 1), (1028, 2 * (n - 1))):
+    big = 1 << (n.bit_length() - 1)
+    header = ring._HEADER.size + ring._SIZE.size
+    for size in (4, 1024, 1028):
         xs = [rng.standard_normal(size // 4).astype(np.float32) for _ in range(n)]
         before = [r.bytes_sent for r in rings]
         outs, errors = _on_threads(lambda i, xs=xs: rings[i].all_reduce(xs[i]), n)
         assert not any(errors), errors
-        expected = xs[0].copy()
-        for x in xs[1:]:
-            expected += x
+        partial = [x.copy() for x in xs[:big]]
+        for r in range(big, n):
+            partial[r - big] = partial[r - big] + xs[r]
+        bit = 1
+        while bit < big:
+            partial = [partial[i] + partial[i ^ bit] for i in range(big)]
+            bit <<= 1
         for r, out, b in zip(rings, outs, before):
-            if rounds == n - 1:
-                np.testing.assert_array_equal(out, expected)  # rank order, bit for bit
-                assert r.bytes_sent - b == rounds * (header + size), (size, r.bytes_sent - b)
-            else:  # the ring's chunks: 2(n-1) rounds of about size/n each
-                assert r.bytes_sent - b < rounds * header + 2 * size, (size, r.bytes_sent - b)
             np.testing.assert_array_equal(out.view(np.uint32), outs[0].view(np.uint32))
-    # with blocks to gather riding along
+            if size > 1024:  # the ring's chunks: 2(n-1) rounds of about size/n each
+                assert r.bytes_sent - b < 2 * (n - 1) * header + 2 * size, r.bytes_sent - b
+                continue
+            np.testing.assert_array_equal(out, partial[0])  # recursive doubling's sums
+            sends = 1 if r.rank >= big else (big.bit_length() - 1) + (r.rank + big < n)
+            assert r.bytes_sent - b == sends * (header + size), (r.rank, r.bytes_sent - b)
+    for r in rings:
+        r.close()
+
+
+def test_recursive_doubling_names_a_silent_partner_and_a_mismatch():
+    rings, _ = _rings(4, timeout=1.0)
+    started = time.monotonic()
+    _, errors = _on_threads(lambda i: rings[i].all_reduce(np.ones(4, np.float32)), 3)
+    assert "worker 3 (ring at" in str(errors[2]) and "sent nothing for 1.0 s" in str(errors[2])
+    assert time.monotonic() - started < 2 * 1.0 + 10, "a timeout per round, and some slack"
+    for r in rings:
+        r.close()
+    rings, _ = _rings(4, timeout=5.0)
+    sizes = [4, 4, 4, 8]  # worker 3 sums 2 floats, the others 1
+    _, errors = _on_threads(lambda i: rings[i].all_reduce(np.ones(sizes[i] // 4, np.float32)), 4)
+    messages = [str(e) for e in errors if e is not None]
+    assert any("1 part of 4 bytes" in m and "different programs" in m for m in messages), messages
+    for r in rings:
+        r.close()
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_a_small_vector_with_blocks_goes_around_whole_in_n_minus_1_rounds(n):
+    """3+ workers, a vector of at most 1 KiB with blocks to gather: each worker's whole vector
+    goes around the ring with the blocks (n-1 rounds, not 2(n-1)), and each adds them in rank
+    order: the exact sum in rank order on every worker."""
+    rings, _ = _rings(n)
+    rng = np.random.default_rng(3)
+    xs = [rng.standard_normal(200).astype(np.float32) for _ in range(n)]
     blocks = [np.full((i + 1, 2), i, np.float32) for i in range(n)]
-    outs, errors = _on_threads(
-        lambda i: rings[i].exchange(np.full(3, i + 1.0, np.float32), [blocks[i]]), n
-    )
+    before = [r.bytes_sent for r in rings]
+    outs, errors = _on_threads(lambda i: rings[i].exchange(xs[i], [blocks[i]]), n)
     assert not any(errors), errors
-    for summed, (gathered,) in outs:
-        np.testing.assert_array_equal(summed, np.full(3, n * (n + 1) / 2, np.float32))
+    expected = xs[0].copy()
+    for x in xs[1:]:
+        expected += x
+    header = ring._HEADER.size + 2 * ring._SIZE.size  # two parts a round
+    for r, b, (summed, (gathered,)) in zip(rings, before, outs):
+        np.testing.assert_array_equal(summed, expected)  # rank order, bit for bit
         np.testing.assert_array_equal(gathered, np.concatenate(blocks, axis=0))
+        rounds = [header + xs[0].nbytes + blocks[(r.rank - s) % n].nbytes for s in range(n - 1)]
+        assert r.bytes_sent - b == sum(rounds), (r.rank, r.bytes_sent - b, rounds)
     for r in rings:
         r.close()
 

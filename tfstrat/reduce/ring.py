@@ -17,8 +17,10 @@ any number of blocks of rows to gather (sparse gradients), so a step waits for i
   2(n-1)/n of the vector); the blocks travel with the reduce-scatter's messages. A vector
   alone streams: each round's bytes go on to the next worker in pieces as they arrive and are
   summed, not once the whole round is in (`Ring._ring_stream`), so the 2(n-1) rounds overlap.
-  A vector of 1 KiB or less (flags, counts, a step's extras) goes around whole with the blocks
-  instead: n-1 rounds instead of 2(n-1), each worker adding the n vectors in rank order.
+  A vector of 1 KiB or less (flags, counts, a step's extras) alone goes by recursive doubling
+  over direct connections instead (`Ring._doubling`): log2(n) rounds, each worker swapping its
+  partial sum with the worker whose rank differs in one bit; with blocks to gather, it goes
+  around the ring whole with them: n-1 rounds, each worker adding the n vectors in rank order.
 - **Workers on several hosts, several on one of them** (a host is the host part of the
   workers' ring addresses): a vector alone goes in two levels (`Ring._by_hosts`). A host's
   workers sum their vectors among themselves (two: through shared memory), each host's first
@@ -179,11 +181,15 @@ class Ring:
         self._sender = _Sender(self)
         #: The two-level exchange's rings (`levels`).
         self._levels: tuple[Ring | None, Ring | None] | None = None
+        #: Recursive doubling's connections, by the other worker's rank (`_doubling`).
+        self._pairs: dict[int, socket.socket] = {}
         try:
             if self.size > 2:
                 if by_host is None:
                     by_host = os.environ.get(HOSTS_ENV, "1").strip().lower() not in _OFF
                 self._levels = self._connect_levels(listener, timeout, key, by_host)
+                if self._levels is None:
+                    self._pairs = self._connect_pairs(listener, timeout, key)
         except BaseException:
             self.close()
             raise
@@ -266,6 +272,50 @@ class Ring:
         )  # fmt: skip
         return local, across
 
+    def _connect_pairs(self, listener, timeout: float, key: bytes) -> dict[int, socket.socket]:
+        """Recursive doubling's connections (`_doubling`), on this ring's listener: each
+        worker accepts its partners of higher rank and connects to those of lower rank, once
+        an all-reduce on the ring says every worker has its ring connections (so a listener
+        sees only partners from then on)."""
+        partners = _partners(self.rank, self.size)
+        self.all_reduce(np.zeros(1, np.int8))
+        made: dict[int, socket.socket] = {}
+        failed: list[BaseException] = []
+
+        def connect():
+            try:
+                for p in sorted(q for q in partners if q < self.rank):
+                    sock = _connect(self.addresses[p], timeout, self.names[p], key)
+                    sock.sendall(_HELLO.pack(self.rank, self.size))
+                    made[p] = sock
+            except BaseException as e:  # raised below
+                failed.append(e)
+
+        connector = threading.Thread(target=connect, name="tfstrat-ring-pairs", daemon=True)
+        connector.start()
+        try:
+            higher = {q for q in partners if q > self.rank}
+            deadline = time.monotonic() + timeout
+            while higher:
+                conn, rank = _accept_any(listener, deadline, higher, self.size, self.names, key)
+                higher.discard(rank)
+                made[rank] = conn
+            connector.join(2 * timeout + _secret.HANDSHAKE_SECONDS)
+            if failed or len(made) < len(partners):
+                raise (
+                    failed[0]
+                    if failed
+                    else RingError(
+                        f"connecting to {self.names[min(partners - set(made))]} took over "
+                        f"{2 * timeout} s"
+                    )
+                )
+        except BaseException:
+            connector.join(timeout)
+            _close(*made.values())
+            raise
+        return made
+
     @property
     def levels(self) -> tuple[Ring | None, Ring | None] | None:
         """The two-level exchange's rings (this host's workers, or None when alone on its
@@ -319,6 +369,9 @@ class Ring:
                     return self._pair(reduce, gathers)
                 if self._levels and reduce is not None and not gathers:
                     return self._by_hosts(reduce), []
+                if self._pairs and reduce is not None and not gathers:
+                    if reduce.nbytes <= _SMALL_VECTOR:
+                        return self._doubling(reduce), []
                 return self._ring(reduce, gathers)
             except BaseException as e:
                 self._error = e
@@ -333,6 +386,7 @@ class Ring:
     def close(self):
         for level in filter(None, getattr(self, "_levels", None) or ()):
             level.close()
+        _close(*getattr(self, "_pairs", {}).values())
         self._sender.stop()
         for r in self._shared or ():
             r.close()
@@ -408,6 +462,60 @@ class Ring:
         self.bytes_sent += sum(r.bytes_sent for r in (local, across) if r) - before
         self.shared_bytes += (local.shared_bytes if local else 0) - shared
         return summed.reshape(reduce.shape)
+
+    def _doubling(self, reduce: np.ndarray) -> np.ndarray:
+        """3+ workers, a small vector alone: recursive doubling over direct connections.
+
+        With P the largest power of two <= n, worker P + i first hands its vector to worker
+        i; workers 0..P-1 then swap partial sums with the worker whose rank differs in bit 0,
+        then 1, ... (log2 P rounds) and add; worker i hands the sum back to P + i. Partners
+        add the same two partial sums (a + b = b + a), so every worker gets the same bits."""
+        n, r = self.size, self.rank
+        big = 1 << (n.bit_length() - 1)
+        total = reduce.reshape(-1).copy()
+        if r >= big:  # hand it over; the sum comes back
+            self._swap(r - big, total, None)
+            self._swap(r - big, None, total)
+            return total.reshape(reduce.shape)
+        other = np.empty_like(total)
+        if r + big < n:
+            self._swap(r + big, None, other)
+            total += other
+        bit = 1
+        while bit < big:
+            self._swap(r ^ bit, total, other)
+            total += other
+            bit <<= 1
+        if r + big < n:
+            self._swap(r + big, total, None)
+        return total.reshape(reduce.shape)
+
+    def _swap(self, rank: int, send: np.ndarray | None, into: np.ndarray | None) -> None:
+        """Sends `send` to worker `rank` and receives its message into `into` (each with a
+        header: call number, bytes), over the direct connection to it."""
+        sock, who = self._pairs[rank], self.names[rank]
+        sock.settimeout(self.timeout)
+        if send is not None:
+            payload = _bytes_of(send)
+            message = _HEADER.pack(self.calls, 1) + _SIZE.pack(payload.nbytes) + payload
+            self.bytes_sent += len(message)
+            try:
+                sock.sendall(message)
+            except OSError as e:
+                raise RingError(f"sending to {who} failed: {e!r}") from e
+        if into is not None:
+            head = _read(sock, _HEADER.size + _SIZE.size, who, self.timeout)
+            call, count = _HEADER.unpack_from(head)
+            (nbytes,) = _SIZE.unpack_from(head, _HEADER.size)
+            if (call, count, nbytes) != (self.calls, 1, into.nbytes):
+                raise RingError(
+                    f"{who} sent call {call} with {count} part(s) of {nbytes} bytes; "
+                    f"{self.names[self.rank]} expected call {self.calls} with 1 part of "
+                    f"{into.nbytes} bytes. The workers are at different places of their "
+                    "programs: a worker stopped early (stop_training, an exception, or the end "
+                    "of its data), or they run different programs or models."
+                )
+            _bytes_of(into)[:] = _read(sock, nbytes, who, self.timeout)
 
     def _ring(self, reduce, gathers):
         """3+ workers: reduce-scatter then all-gather around the ring; the blocks to gather
@@ -1076,12 +1184,40 @@ def _accept(
             break
         except _secret.Refused:
             conn.close()
+    if rank is None:  # the caller reads and checks the hello
+        return conn
     got_rank, got_size = _HELLO.unpack(_read(conn, _HELLO.size, who, timeout))
     if (got_rank, got_size) != (rank, size):
         raise RingError(
             f"expected worker {rank} of {size} to connect, got worker {got_rank} of {got_size}"
         )
     return conn
+
+
+def _partners(rank: int, size: int) -> set[int]:
+    """The workers `rank` swaps with in recursive doubling (`Ring._doubling`)."""
+    big = 1 << (size.bit_length() - 1)
+    if rank >= big:
+        return {rank - big}
+    bits = {rank ^ (1 << b) for b in range(big.bit_length() - 1)}
+    return bits | ({rank + big} if rank + big < size else set())
+
+
+def _accept_any(
+    listener: socket.socket, deadline: float, ranks: set, size: int, names: list, key: bytes
+) -> tuple[socket.socket, int]:
+    """The next connection of one of `ranks` (each proves the job's secret, then says its
+    rank and the group's size); anything else fails naming who is awaited."""
+    waiting = ", ".join(names[i] for i in sorted(ranks))
+    conn = _accept(listener, max(deadline - time.monotonic(), 0), None, size, waiting, key)
+    got_rank, got_size = _HELLO.unpack(_read(conn, _HELLO.size, waiting, 5.0))
+    if got_rank not in ranks or got_size != size:
+        conn.close()
+        raise RingError(
+            f"expected one of {sorted(ranks)} of {size} to connect, got worker {got_rank} of "
+            f"{got_size}"
+        )
+    return conn, got_rank
 
 
 def _read(s: socket.socket, n: int, peer: str, timeout: float) -> bytes:
