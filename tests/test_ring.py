@@ -372,11 +372,11 @@ def test_two_levels_where_a_host_has_several_workers_and_every_worker_wants_them
         assert all(r.levels is None for r in rings), where
         for r in rings:
             r.close()
-    # One worker that does not want them (TFSTRAT_RING_HOSTS=0 there): one flat ring on all.
-    monkeypatch.setenv(ring.HOSTS_ENV, "0")
-    wants = {i: {"by_host": True} for i in range(3)}  # worker 3 reads the environment
+    # One worker that wants one plain ring (TFSTRAT_RING_FLAT=1 there): one plain ring on all.
+    monkeypatch.setenv(ring.FLAT_ENV, "1")
+    wants = {i: {"flat": False} for i in range(3)}  # worker 3 reads the environment
     rings = _rings_at(["127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.2"], wants)
-    assert all(r.levels is None for r in rings)
+    assert all(r.levels is None and not r._pairs for r in rings)
     outs, errors = _on_threads(lambda i: rings[i].all_reduce(np.full(1000, i, np.float32)), 4)
     assert not any(errors), errors
     for out in outs:

@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 SIZES = [4, 1 << 10, 1 << 16, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 QUICK_SIZES = [4, 1 << 16, 1 << 20, 4 << 20]
 PORT = 29500
-PARTS = ("ring", "launchers", "dense", "sparse")
+PARTS = ("ring", "flat", "launchers", "dense", "sparse")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,8 +66,10 @@ class ClusterConfig:
     peers: bool = True  # also OpenMPI's rows
     timeout: float = 120.0
     out: str = "bench-out"
-    # What to measure: "ring" (tfstrat's ring, and OpenMPI's with `peers`), "launchers"
-    # (`_cluster_launch`), "dense" and "sparse" (`_cluster_train`'s training rows).
+    # What to measure: "ring" (tfstrat's ring, and OpenMPI's with `peers`), "flat" (with
+    # "ring": also the same workers in one plain ring, `TFSTRAT_RING_FLAT=1`; always with 2+
+    # workers per host), "launchers" (`_cluster_launch`), "dense" and "sparse"
+    # (`_cluster_train`'s training rows).
     parts: tuple[str, ...] = ("ring", "launchers", "dense", "sparse")
     ps: tuple[int, ...] = (1, 2)  # the sparse rows' ps tasks
     train_steps: int = 10  # per timed epoch, after a warm-up epoch
@@ -84,7 +86,8 @@ def machine() -> dict:
 
 def ring_row(net: _netns.Network, config: ClusterConfig, flat: bool = False) -> dict:
     """tfstrat's ring on every host of `net`, `workers_per_host` processes each (with 2+: by
-    default the two-level exchange; `flat`: one flat ring of them all); its row."""
+    default the two-level exchange; `flat`: one plain ring of them all, no recursive doubling
+    for small vectors either); its row."""
     n = net.hosts * config.workers_per_host  # the ring's size
     before = net.counters()
     results = _ring_tasks(net, config, list(config.sizes), 0.0, flat)
@@ -122,8 +125,8 @@ def _ring_tasks(
     net: _netns.Network, config: ClusterConfig, sizes: list, streams: float, flat: bool = False
 ) -> list:
     """`_cluster_ring` on every host (its calls of `sizes`, then `streams` seconds of plain
-    TCP streams; `flat`: `TFSTRAT_RING_HOSTS=0`); every host's result. The hosts' addresses
-    differ, so two workers share memory only within a host."""
+    TCP streams; `flat`: `TFSTRAT_RING_FLAT=1`, one plain ring); every host's result. The
+    hosts' addresses differ, so two workers share memory only within a host."""
     k = config.workers_per_host
     addresses = [f"{net.ipv4(i // k)}:{PORT + 2 * (i % k)}" for i in range(net.hosts * k)]
     tasks = []
@@ -132,7 +135,7 @@ def _ring_tasks(
                   "seconds": config.seconds, "timeout": config.timeout,
                   "stream_seconds": streams}  # fmt: skip
         argv = [sys.executable, "-m", "tfstrat.bench._cluster_ring", json.dumps(worker)]
-        env = {"PYTHONPATH": _package_root(), **({"TFSTRAT_RING_HOSTS": "0"} if flat else {})}
+        env = {"PYTHONPATH": _package_root(), **({"TFSTRAT_RING_FLAT": "1"} if flat else {})}
         tasks.append(net.start(i // k, argv, env=env, name=f"ring:{i}"))
     budget = config.timeout + len(sizes) * (config.seconds + 30) * 2 + streams + 60
     net.wait(tasks, timeout=budget)
@@ -276,7 +279,7 @@ def run(config: ClusterConfig) -> list[dict]:
             with _netns.Network(hosts, rate=link, hostnames=True) as net:
                 logger.info("cluster: %d hosts, link %s", hosts, link or "unshaped")
                 measured = [ring_row(net, config)]
-                if config.workers_per_host > 1:  # the same workers in one flat ring
+                if config.workers_per_host > 1 or "flat" in config.parts:  # one plain ring
                     measured.append(ring_row(net, config, flat=True))
                 if config.peers:
                     measured.append(mpi_row(net, config))

@@ -200,7 +200,8 @@ def add_parser(sub) -> None:
     g.add_argument(
         "--parts",
         default=_args.env("parts", "ring,launchers,dense,sparse"),
-        help="cluster: what to measure: ring (tfstrat's ring and OpenMPI's), launchers (N "
+        help="cluster: what to measure: ring (tfstrat's ring and OpenMPI's), flat (with ring: "
+        "also one plain ring, no two levels or recursive doubling), launchers (N "
         "launchers agreeing on a restart), dense (CollectiveAllReduce vs stock "
         "MultiWorkerMirrored), sparse (Hybrid vs tfstrat's and stock ParameterServer)",
     )

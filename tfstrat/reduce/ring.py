@@ -28,7 +28,8 @@ any number of blocks of rows to gather (sparse gradients), so a step waits for i
   hands the result back to its host's workers. Each host's link carries 2(H-1)/H of the vector
   for H hosts, where one flat ring of all N workers carries 2(N-1)/N of it, and waits on H-1
   rounds' latency instead of N-1. These rings connect on the same listeners (the tfstrat
-  port); `TFSTRAT_RING_HOSTS=0` on any task keeps one flat ring.
+  port). `TFSTRAT_RING_FLAT=1` on any task keeps one plain ring for everything (no two levels,
+  no recursive doubling): to compare, or to rule them out.
 
 One thread does it all with non-blocking sockets (poll: send what the kernel takes, receive
 what has come, sum what is complete), so no thread hand-off sits on a step's path and the sum
@@ -84,8 +85,7 @@ _ACCEPT_HANDSHAKE = 5.0
 # its size comes from the other worker's header, so it is checked before allocating.
 MAX_BLOCK_ENV = "TFSTRAT_RING_MAX_BLOCK_BYTES"
 # "0": one flat ring even when hosts run several workers each (see the module's docstring).
-HOSTS_ENV = "TFSTRAT_RING_HOSTS"
-_OFF = ("0", "false", "no", "off")
+FLAT_ENV = "TFSTRAT_RING_FLAT"
 
 
 def max_block_bytes() -> int:
@@ -112,8 +112,8 @@ class Ring:
         names: how errors name each worker (e.g. TensorFlow's "/job:worker/replica:0/task:1").
         key: the job's secret both neighbours must prove (`tfstrat.cluster.secret`); None:
             this task's (`TFSTRAT_SECRET` / `TFSTRAT_SECRET_FILE`).
-        by_host: this worker wants the two-level exchange where hosts run several workers each
-            (None: unless `TFSTRAT_RING_HOSTS=0`); it is built only if every worker wants it.
+        flat: this worker wants one plain ring for everything: no two levels, no recursive
+            doubling (None: `TFSTRAT_RING_FLAT=1`). They are built only if no worker wants it.
     """
 
     def __init__(
@@ -124,7 +124,7 @@ class Ring:
         timeout: float,
         names: list[str] | None = None,
         key: bytes | None = None,
-        by_host: bool | None = None,
+        flat: bool | None = None,
     ):
         self.rank, self.size, self.timeout = rank, len(addresses), timeout
         self.addresses = addresses
@@ -185,11 +185,15 @@ class Ring:
         self._pairs: dict[int, socket.socket] = {}
         try:
             if self.size > 2:
-                if by_host is None:
-                    by_host = os.environ.get(HOSTS_ENV, "1").strip().lower() not in _OFF
-                self._levels = self._connect_levels(listener, timeout, key, by_host)
-                if self._levels is None:
-                    self._pairs = self._connect_pairs(listener, timeout, key)
+                if flat is None:
+                    flat = os.environ.get(FLAT_ENV, "0").strip().lower() in ("1", "true", "yes")
+                # every worker says whether it wants them: all decide alike
+                if not self.all_gather(np.array([flat], np.int8)).any():
+                    self._levels = self._connect_levels(listener, timeout, key)
+                    if self._levels is None:
+                        self._pairs = self._connect_pairs(listener, timeout, key)
+                else:
+                    logger.info("tfstrat ring: one plain ring (%s=1 on a worker)", FLAT_ENV)
         except BaseException:
             self.close()
             raise
@@ -223,25 +227,21 @@ class Ring:
         logger.info("tfstrat ring: %s shares memory with this worker", self._prev_name)
         return region, peer
 
-    def _connect_levels(self, listener: socket.socket, timeout: float, key: bytes, wanted):
+    def _connect_levels(self, listener: socket.socket, timeout: float, key: bytes):
         """The two-level exchange's rings (this host's workers or None when it is alone on its
         host, the hosts' first workers or None on the others), when there are 2 or more
         hosts (the host parts of the addresses) and one of them has several workers; else None.
 
         They connect on the flat ring's listeners (no other port): first every host's ring,
         then, once every worker has its own (an all-reduce on the flat ring waits for all),
-        the ring across, so a listener only ever sees the connection it waits for. An
-        all-gather first says whether every worker wants them (`TFSTRAT_RING_HOSTS`), so all
-        decide alike.
+        the ring across, so a listener only ever sees the connection it waits for (the
+        caller's all-gather before this waited for every worker's ring connections).
         """
         by_host: dict[str, list[int]] = {}
         for i, address in enumerate(self.addresses):
             by_host.setdefault(_ports.split(address)[0], []).append(i)
         hosts = list(by_host.values())  # by their first rank
         if len(hosts) < 2 or len(hosts) == self.size:
-            return None
-        if not self.all_gather(np.array([wanted], np.int8)).all():
-            logger.info("tfstrat ring: one flat ring (%s=0 on a worker)", HOSTS_ENV)
             return None
         host = next(h for h in hosts if self.rank in h)
         leaders = [h[0] for h in hosts]
@@ -256,6 +256,7 @@ class Ring:
                 timeout,
                 [self._task_names[j] for j in ranks],
                 key,
+                flat=False,  # every worker wants them: the levels' own rings may use doubling
             )
 
         local = ring_of(host)
@@ -274,11 +275,10 @@ class Ring:
 
     def _connect_pairs(self, listener, timeout: float, key: bytes) -> dict[int, socket.socket]:
         """Recursive doubling's connections (`_doubling`), on this ring's listener: each
-        worker accepts its partners of higher rank and connects to those of lower rank, once
-        an all-reduce on the ring says every worker has its ring connections (so a listener
-        sees only partners from then on)."""
+        worker accepts its partners of higher rank and connects to those of lower rank (the
+        caller's all-gather before this waited for every worker's ring connections, so a
+        listener sees only partners from then on)."""
         partners = _partners(self.rank, self.size)
-        self.all_reduce(np.zeros(1, np.int8))
         made: dict[int, socket.socket] = {}
         failed: list[BaseException] = []
 
