@@ -225,16 +225,22 @@ def bus_bytes(size: int, hosts: int) -> float:
     return 2 * (hosts - 1) / hosts * size
 
 
-def model_terms(size: int, hosts: int) -> tuple[float, float]:
+def model_terms(size: int, hosts: int, plain: bool = False) -> tuple[float, float]:
     """(latency steps, bytes on the wire per host) of one call: tfstrat's two hosts exchange
     in one round; N >= 3 run the ring's 2(N-1) steps of size/N each, or, for a vector of at
-    most 1 KiB, N-1 steps of the whole vector (`Ring._ring_small`)."""
+    most 1 KiB, recursive doubling's log2 P rounds (P the largest power of two <= N; two more
+    when N > P: `Ring._doubling`) of the whole vector; `plain` (`TFSTRAT_RING_FLAT=1`): N-1
+    steps of it around the ring (`Ring._ring_small`)."""
     from tfstrat.reduce.ring import _SMALL_VECTOR
 
     if hosts == 2:
         return 1.0, float(size)
-    if size <= _SMALL_VECTOR:
+    if size <= _SMALL_VECTOR and plain:
         return float(hosts - 1), float((hosts - 1) * size)
+    if size <= _SMALL_VECTOR:
+        big = 1 << (hosts.bit_length() - 1)
+        rounds = big.bit_length() - 1 + (2 if hosts > big else 0)
+        return float(rounds), float(rounds * size)
     return 2.0 * (hosts - 1), bus_bytes(size, hosts)
 
 
@@ -246,8 +252,10 @@ def fit(row: dict) -> dict:
     # The smallest call (latency) and the calls of 1 MiB and up: a shaped link lets a burst
     # (about 1 ms at its rate) through at full speed, which smaller calls would read as bandwidth.
     sizes = [s for s in row["sizes"] if s["bytes"] == row["sizes"][0]["bytes"] or
-             s["bytes"] >= 1 << 20] or row["sizes"]  # fmt: skip
-    terms = np.array([model_terms(s["bytes"], row["workers"]) for s in sizes])
+             s["bytes"] >= 1 << 20]  # fmt: skip
+    sizes = sizes if len(sizes) > 1 else row["sizes"]  # no call of 1 MiB: every size
+    plain = "flat" in row["impl"]
+    terms = np.array([model_terms(s["bytes"], row["workers"], plain) for s in sizes])
     seconds = np.array([s["seconds"] for s in sizes])
     # weighted by 1/time: small and large calls count alike
     weights = 1.0 / seconds
@@ -255,8 +263,8 @@ def fit(row: dict) -> dict:
     return {"alpha_s": float(alpha), "beta_s_per_byte": float(beta), "hosts": row["workers"]}
 
 
-def predict(model: dict, size: int, hosts: int) -> float:
-    steps, wire = model_terms(size, hosts)
+def predict(model: dict, size: int, hosts: int, plain: bool = False) -> float:
+    steps, wire = model_terms(size, hosts, plain)
     return steps * model["alpha_s"] + wire * model["beta_s_per_byte"]
 
 
@@ -296,7 +304,8 @@ def run(config: ClusterConfig) -> list[dict]:
         model = models[row["link"]]
         row["model"] = model
         for s in row["sizes"]:
-            s["predicted_seconds"] = predict(model, s["bytes"], row["workers"])
+            s["predicted_seconds"] = predict(model, s["bytes"], row["workers"],
+                                             "flat" in row["impl"])  # fmt: skip
     launched = launchers(config) if "launchers" in config.parts else []
     trained = train(config, models)
     from tfstrat.bench import _report
