@@ -82,6 +82,31 @@ def test_two_workers_per_host_sum_within_the_host_and_send_less_over_the_links(t
     assert "| 2 x 2 flat | 1gbit | 1 MiB |" in (tmp_path / "cluster.md").read_text()
 
 
+@pytest.mark.timeout(120)
+def test_the_ps_rows_serve_every_row_over_the_ps_hosts_link(tmp_path):
+    """The ps rows (one table server, 1 and 2 clients in lockstep, no TensorFlow): every
+    client's lookups and pushes crossed the ps host's interface (its rows out, their
+    gradients in), and the ps's CPU seconds were read over the timed steps."""
+    from tfstrat.bench import cluster
+
+    try:
+        netns.check_available()
+    except netns.Unavailable as e:
+        netns.skip_or_fail(str(e))
+    config = cluster.ClusterConfig(hosts=(2,), parts=("ps",), ps_clients=2, ps_steps=20,
+                                   out=str(tmp_path))  # fmt: skip
+    rows = cluster.run(config)
+    assert [(r["impl"], r["clients"]) for r in rows] == [("ps capacity", 1), ("ps capacity", 2)]
+    for r in rows:
+        # warm-up and timed steps: each client's rows out and their gradients in
+        payload = r["clients"] * (50 + 20) * r["ids"] * r["dim"] * 4
+        wire = r["ps_interface_bytes"]
+        assert payload <= wire["tx"] <= 1.2 * payload + 200_000, (payload, wire)
+        assert payload <= wire["rx"] <= 1.2 * payload + 200_000, (payload, wire)
+        assert r["rows_per_s"] > 0 and 0 < r["ps_cpu_share"] and r["rows_per_ps_cpu_s"] > 0, r
+    assert "| 2 | " in (tmp_path / "cluster.md").read_text()
+
+
 @pytest.mark.timeout(180)
 def test_two_launchers_on_two_hosts_agree_on_the_restart_after_a_failure(tmp_path):
     """The launcher row: `tfstrat launch --nodes` on each emulated host, the last node's toy

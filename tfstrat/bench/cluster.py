@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 SIZES = [4, 1 << 10, 1 << 16, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 QUICK_SIZES = [4, 1 << 16, 1 << 20, 4 << 20]
 PORT = 29500
-PARTS = ("ring", "flat", "launchers", "dense", "sparse")
+PARTS = ("ring", "flat", "launchers", "ps", "dense", "sparse")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,14 +68,16 @@ class ClusterConfig:
     out: str = "bench-out"
     # What to measure: "ring" (tfstrat's ring, and OpenMPI's with `peers`), "flat" (with
     # "ring": also the same workers in one plain ring, `TFSTRAT_RING_FLAT=1`; always with 2+
-    # workers per host), "launchers" (`_cluster_launch`), "dense" and "sparse"
-    # (`_cluster_train`'s training rows).
+    # workers per host), "launchers" (`_cluster_launch`), "ps" (`_cluster_ps`: the rows one
+    # ps serves, 1-8 clients, unshaped), "dense" and "sparse" (`_cluster_train`'s training rows).
     parts: tuple[str, ...] = ("ring", "launchers", "dense", "sparse")
     ps: tuple[int, ...] = (1, 2)  # the sparse rows' ps tasks
     train_steps: int = 10  # per timed epoch, after a warm-up epoch
     train_repeats: int = 2  # timed epochs
     train_rows: tuple[str, ...] = ()  # only these row ids (all: empty)
     train_timeout: float = 900.0
+    ps_clients: int = 8  # the ps rows: 1, 2, 4, 8 clients up to this
+    ps_steps: int = 1000  # the ps rows' timed steps (and 50 to warm up)
 
 
 def machine() -> dict:
@@ -307,17 +309,19 @@ def run(config: ClusterConfig) -> list[dict]:
             s["predicted_seconds"] = predict(model, s["bytes"], row["workers"],
                                              "flat" in row["impl"])  # fmt: skip
     launched = launchers(config) if "launchers" in config.parts else []
+    served = ps_rows(config) if "ps" in config.parts else []
     trained = train(config, models)
     from tfstrat.bench import _report
 
     tables = [
         table(rows, config) if rows else "",
         launch_table(launched),
+        ps_table(served),
         train_table(trained, config),
     ]
     text = "\n\n".join(t for t in tables if t)
-    _report.write(config.out, "cluster", rows + launched + trained, text, _plot)
-    return rows + launched + trained
+    _report.write(config.out, "cluster", rows + launched + served + trained, text, _plot)
+    return rows + launched + served + trained
 
 
 def launchers(config: ClusterConfig) -> list[dict]:
@@ -333,6 +337,55 @@ def launchers(config: ClusterConfig) -> list[dict]:
         out.append({"impl": "launchers", "link": config.link, "machine": machine(), **row})
         logger.info("cluster: %d launchers: %s", hosts, row)
     return out
+
+
+PS_CLIENTS = (1, 2, 4, 8)
+
+
+def ps_rows(config: ClusterConfig) -> list[dict]:
+    """`_cluster_ps`'s rows: one ps and 1, 2, 4, 8 clients (at most 15), unshaped: what a ps
+    costs per row, which the link does not change."""
+    from tfstrat.bench import _cluster_ps
+
+    work = dict(rows=200_000, dim=64, ids=1024, steps=config.ps_steps, warmup=50)
+    out = []
+    for clients in [k for k in PS_CLIENTS if k <= config.ps_clients]:
+        with _netns.Network(clients + 1, rate=None, hostnames=True) as net:
+            logger.info("cluster: one ps, %d clients, unshaped", clients)
+            row = _cluster_ps.run(net, clients, config=work, timeout=config.timeout,
+                                  package_root=_package_root())  # fmt: skip
+        out.append({**row, "machine": machine()})
+        logger.info("cluster: ps, %d clients: %.0f rows/s", clients, row["rows_per_s"])
+    return out
+
+
+def ps_table(rows: list[dict]) -> str:
+    from tfstrat.bench._report import markdown
+
+    if not rows:
+        return ""
+    body = [[r["clients"], f"{r['rows_per_s']:,.0f}",
+             f"{r['rows_per_s'] * r['dim'] * 4 / 1e6:.0f}", f"{r['ps_cpu_share']:.2f}",
+             f"{r['rows_per_ps_cpu_s']:,.0f}"] for r in rows]  # fmt: skip
+    first, mach = rows[0], rows[0]["machine"]
+    return markdown(
+        [
+            "clients",
+            "rows/s served",
+            "MB/s each way at the ps",
+            "ps CPU share",
+            "rows per ps CPU second",
+        ],
+        body,
+    ) + (  # fmt: skip
+        f"\n\nOne ps task's table server (`tfstrat.ps.tables`, no TensorFlow) and K clients, each "
+        f"a host of its own, unshaped; each client a Hybrid worker's share of a step in lockstep: "
+        f"a lookup of {first['ids']} unique rows of a {first['rows']:,} x {first['dim']} float32 "
+        f"table, then a push of their gradients (SGD); {first['steps']} timed steps. ps CPU "
+        "share: the ps process's CPU seconds over the timed steps / their wall time (1.0: one "
+        "core). Rows per ps CPU second: what one ps core serves. Machine: "
+        f"{mach.get('cpu')}, {mach.get('cpus')} CPUs shared by the ps and the clients."
+    )
 
 
 def launch_table(rows: list[dict]) -> str:

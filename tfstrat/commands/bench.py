@@ -201,7 +201,8 @@ def add_parser(sub) -> None:
         "--parts",
         default=_args.env("parts", "ring,launchers,dense,sparse"),
         help="cluster: what to measure: ring (tfstrat's ring and OpenMPI's), flat (with ring: "
-        "also one plain ring, no two levels or recursive doubling), launchers (N "
+        "also one plain ring, no two levels or recursive doubling), ps (the rows one ps serves "
+        "to 1-8 clients), launchers (N "
         "launchers agreeing on a restart), dense (CollectiveAllReduce vs stock "
         "MultiWorkerMirrored), sparse (Hybrid vs tfstrat's and stock ParameterServer)",
     )

@@ -17,7 +17,7 @@ Tables are addressed by number (a ps starts before any model exists):
                                                         partition search's trial tables, a
                                                         table that went back to the workers)
     put_meta(key, value) / get_meta(key)       -> 0 / value, -1 if unset (the chief's choices)
-    stats()                                    -> this process's peak RSS, MB
+    stats() / cpu()                            -> this process's peak RSS, MB / CPU seconds
     steps_*                                    -> ParameterServer's synchronous steps (`tfstrat.ps.steps`)
 
 A table collects the pushes of one step from every worker and, on the last, applies their sum
@@ -322,7 +322,7 @@ class Registry:
 
     METHODS = frozenset(
         "begin create drop put_meta get_meta lookup push read write slots read_slot write_slot "
-        "stats".split()
+        "stats cpu".split()
     ) | {f"steps_{name}" for name in _steps.Steps.METHODS}
 
     def __init__(self):
@@ -400,6 +400,14 @@ class Registry:
         import resource
 
         return np.float64(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+
+    def cpu(self):
+        """This ps process's CPU seconds so far, user and system (for `tfstrat bench
+        cluster`'s ps rows)."""
+        import resource
+
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return np.float64(usage.ru_utime + usage.ru_stime)
 
     def lookup(self, table, ids, step=-1):
         return self.get(table).lookup(ids, step)
