@@ -1,8 +1,9 @@
 """`tfstrat bench cluster`'s training rows: Keras `fit` on the emulated hosts, tfstrat against
 stock TensorFlow (tf-keras) on the same hosts and link, one row after the other.
 
-- **dense**: a 1.84M-weight MLP (7.4 MB of gradients a step), one worker per host:
-  CollectiveAllReduce against stock `MultiWorkerMirroredStrategy`.
+- **dense**: a 1.84M-weight MLP (7.4 MB of gradients a step), one worker per host (or K, with
+  `per_host`: CollectiveAllReduce's two levels, and again in one plain ring): CollectiveAllReduce
+  against stock `MultiWorkerMirroredStrategy`.
 - **sparse**: a 200,000 x 64 table (Zipf ids) beside a dense part of 0.57M weights (two
   convolutions and two dense layers), W workers and P ps tasks, each on its own host: Hybrid
   (the table on the ps, the dense part all-reduced), tfstrat's ParameterServer (sync: every
@@ -42,6 +43,8 @@ class Row:
     strategy: str  # a `tfstrat.bench._worker` strategy
     workers: int
     ps: int = 0
+    per_host: int = 1  # workers per host (host by host, as `tfstrat launch --nodes` places them)
+    flat: bool = False  # `TFSTRAT_RING_FLAT=1`: one plain ring
 
     @property
     def chief(self) -> bool:
@@ -49,13 +52,27 @@ class Row:
 
     @property
     def hosts(self) -> int:
-        return self.workers + self.ps + int(self.chief)
+        return self.workers // self.per_host + self.ps + int(self.chief)
 
 
-def rows(hosts: tuple[int, ...], ps: tuple[int, ...], kinds: tuple[str, ...]) -> list[Row]:
+def rows(
+    hosts: tuple[int, ...], ps: tuple[int, ...], kinds: tuple[str, ...], per_host: int = 1
+) -> list[Row]:
     """The dense rows at every host count; the sparse rows at every host count of 4 or more (the
-    smallest alone if none is), with each of `ps` ps tasks, while they fit in 16 hosts."""
+    smallest alone if none is), with each of `ps` ps tasks, while they fit in 16 hosts. With
+    `per_host` 2+: the dense rows only, that many workers a host, CollectiveAllReduce also in
+    one plain ring."""
     out = []
+    if per_host > 1:
+        for n in hosts if "dense" in kinds else ():
+            w, at = n * per_host, f"{n}x{per_host}"
+            out.append(Row(f"D-CAR-{at}", "dense", "tfstrat CollectiveAllReduce (two levels)",
+                           "collective", w, per_host=per_host))  # fmt: skip
+            out.append(Row(f"D-CARflat-{at}", "dense", "tfstrat CollectiveAllReduce, one plain "
+                           "ring", "collective", w, per_host=per_host, flat=True))  # fmt: skip
+            out.append(Row(f"D-MWMS-{at}", "dense", "stock MultiWorkerMirrored, tf-keras",
+                           "tfkeras-mwms", w, per_host=per_host))  # fmt: skip
+        return out
     if "dense" in kinds:
         for n in hosts:
             out.append(Row(f"D-CAR-{n}", "dense", "tfstrat CollectiveAllReduce", "collective", n))
@@ -78,10 +95,12 @@ def rows(hosts: tuple[int, ...], ps: tuple[int, ...], kinds: tuple[str, ...]) ->
 
 def run_row(net: _netns.Network, row: Row, *, steps: int, repeats: int, timeout: float,
             package_root: str) -> dict:  # fmt: skip
-    """Workers on hosts 0..W-1, the ps tasks after them, a stock coordinator (chief) last; each
-    started as on its own machine. Returns the row's result (worker 0's, or the chief's)."""
-    w, p = row.workers, row.ps
-    cluster = {"worker": [f"{net.ipv4(i)}:{PORT}" for i in range(w)]}
+    """Workers on hosts 0..W/K-1 (K = `row.per_host` each, ports 2 apart), the ps tasks after
+    them, a stock coordinator (chief) last; each started as on its own machine. Returns the
+    row's result (worker 0's, or the chief's)."""
+    p, k = row.ps, row.per_host
+    w = row.workers // k  # the workers' hosts
+    cluster = {"worker": [f"{net.ipv4(i // k)}:{PORT + 2 * (i % k)}" for i in range(row.workers)]}
     if p:
         cluster["ps"] = [f"{net.ipv4(w + j)}:{PORT}" for j in range(p)]
     if row.chief:
@@ -100,7 +119,8 @@ def run_row(net: _netns.Network, row: Row, *, steps: int, repeats: int, timeout:
             "PYTHONUNBUFFERED": "1",
             "PYTHONPATH": path,
             "TF_CPP_MIN_LOG_LEVEL": "2",
-            "TFSTRAT_RING_SHARED_MEMORY": "0",  # hosts share no memory
+            # hosts share no memory (their addresses differ: the ring shares it only within)
+            **({"TFSTRAT_RING_FLAT": "1"} if row.flat else {}),
             "TFSTRAT_BENCH_MARKS": "1",  # TIMED-BEGIN / TIMED-END: the counters read then
             **({"TF_USE_LEGACY_KERAS": "1"} if legacy else {}),
         }
@@ -111,7 +131,8 @@ def run_row(net: _netns.Network, row: Row, *, steps: int, repeats: int, timeout:
     worker = [sys.executable, "-m", "tfstrat.bench._worker", json.dumps(config)]
     servers = [net.start(w + j, [sys.executable, "-m", "tfstrat", "server"], env("ps", j),
                          name=f"ps:{j}") for j in range(p)]  # fmt: skip
-    tasks = [net.start(i, worker, env("worker", i), name=f"worker:{i}") for i in range(w)]
+    tasks = [net.start(i // k, worker, env("worker", i), name=f"worker:{i}")
+             for i in range(row.workers)]  # fmt: skip
     if row.chief:  # stock PS: the workers serve until the coordinator is done
         servers += tasks
         tasks = [net.start(w + p, worker, env("chief", 0), name="chief:0")]

@@ -427,7 +427,8 @@ def train(config: ClusterConfig, models: dict) -> list[dict]:
     unshaped first, with `config.unshaped`); dense rows get the ring model's prediction."""
     from tfstrat.bench import _cluster_train as ct
 
-    plan = ct.rows(config.hosts, config.ps, tuple(p for p in config.parts if p in ct.KINDS))
+    kinds = tuple(p for p in config.parts if p in ct.KINDS)
+    plan = ct.rows(config.hosts, config.ps, kinds, config.workers_per_host)
     if config.train_rows:
         plan = [r for r in plan if r.id in config.train_rows]
     out = []
@@ -444,6 +445,8 @@ def train(config: ClusterConfig, models: dict) -> list[dict]:
             out.append(entry)
     for entry in out:  # the dense rows: compute (unshaped, less its all-reduce) + the all-reduce
         if entry["workload"] != "dense" or "error" in entry or entry["link"] not in models:
+            continue
+        if entry["per_host"] > 1:  # the model is the flat ring's, one worker a host
             continue
         base = next((e for e in out if e["id"] == entry["id"] and e["link"] is None
                      and "error" not in e), None)  # fmt: skip

@@ -213,7 +213,7 @@ def add_parser(sub) -> None:
         "--workers-per-host",
         type=int,
         default=_args.env("workers-per-host", 1, int),
-        help="cluster: ring processes per emulated host (the ring part; ranks host by host)",
+        help="cluster: processes per emulated host (the ring and dense parts; ranks host by host)",
     )
     g = p.add_argument_group("Workload")
     g.add_argument("--model", choices=["small", "resnet50"], default=_args.env("model"))
