@@ -60,11 +60,7 @@ def _rings(n, timeout=10.0, host="127.0.0.1"):
 def _host_rings(hosts, k, timeout=10.0):
     """Rings of `hosts` x `k` workers, host h's at 127.0.0.(h + 1): as many hosts to the ring
     (a host is an address's host part), all on loopback."""
-    where = [f"127.0.0.{h + 1}" for h in range(hosts) for _ in range(k)]
-    listeners = [ring.listen(host) for host in where]
-    addresses = [_ports.join(h, s.getsockname()[1]) for h, s in zip(where, listeners)]
-    rings, errors = _on_threads(lambda i: ring.Ring(i, addresses, listeners[i], 30.0), len(where))
-    assert not any(errors), errors
+    rings = _rings_at([f"127.0.0.{h + 1}" for h in range(hosts) for _ in range(k)])
     for r in rings:
         r.set_timeout(timeout)
     return rings
@@ -355,17 +351,23 @@ def _rings_at(where, options=None):
     return rings
 
 
+def _sum_ranks_and_close(rings):
+    """Each worker's rank summed: every worker gets 0 + 1 + ... + n-1."""
+    n = len(rings)
+    outs, errors = _on_threads(lambda i: rings[i].all_reduce(np.full(1000, i, np.float32)), n)
+    assert not any(errors), errors
+    for out in outs:
+        np.testing.assert_array_equal(out, np.full(1000, n * (n - 1) // 2))
+    for r in rings:
+        r.close()
+
+
 def test_two_levels_where_a_host_has_several_workers_and_every_worker_wants_them(monkeypatch):
     # 1 + 3 workers (a chief alone on its host): the lone worker's host sum is its vector.
     rings = _rings_at(["127.0.0.1", "127.0.0.2", "127.0.0.2", "127.0.0.2"])
     assert [r.levels[0] is None for r in rings] == [True, False, False, False]
     assert [r.levels[1] is None for r in rings] == [False, False, True, True]
-    outs, errors = _on_threads(lambda i: rings[i].all_reduce(np.full(1000, i, np.float32)), 4)
-    assert not any(errors), errors
-    for out in outs:
-        np.testing.assert_array_equal(out, np.full(1000, 6))
-    for r in rings:
-        r.close()
+    _sum_ranks_and_close(rings)
     # One worker per host, or one host: the flat ring is all there is.
     for where in (["127.0.0.1", "127.0.0.2", "127.0.0.3"], ["127.0.0.1"] * 3):
         rings = _rings_at(where)
@@ -377,12 +379,7 @@ def test_two_levels_where_a_host_has_several_workers_and_every_worker_wants_them
     wants = {i: {"flat": False} for i in range(3)}  # worker 3 reads the environment
     rings = _rings_at(["127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.2"], wants)
     assert all(r.levels is None and not r._pairs for r in rings)
-    outs, errors = _on_threads(lambda i: rings[i].all_reduce(np.full(1000, i, np.float32)), 4)
-    assert not any(errors), errors
-    for out in outs:
-        np.testing.assert_array_equal(out, np.full(1000, 6))
-    for r in rings:
-        r.close()
+    _sum_ranks_and_close(rings)
 
 
 def test_a_silent_worker_of_a_host_times_out_its_host_naming_it():
