@@ -154,6 +154,16 @@ def test_recursive_doubling_names_a_silent_partner_and_a_mismatch():
         r.close()
 
 
+def test_recursive_doubling_names_a_partner_that_closed():
+    rings, _ = _rings(4, timeout=5.0)
+    rings[3].close()  # worker 3 stopped early
+    _, errors = _on_threads(lambda i: rings[i].all_reduce(np.ones(4, np.float32)), 3)
+    assert "worker 3 (ring at" in str(errors[2]), errors
+    assert "closed the connection: it failed or stopped early" in str(errors[2]), errors
+    for r in rings:
+        r.close()
+
+
 @pytest.mark.parametrize("n", [3, 4])
 def test_a_small_vector_with_blocks_goes_around_whole_in_n_minus_1_rounds(n):
     """3+ workers, a vector of at most 1 KiB with blocks to gather: each worker's whole vector
@@ -380,6 +390,30 @@ def test_two_levels_where_a_host_has_several_workers_and_every_worker_wants_them
     rings = _rings_at(["127.0.0.1", "127.0.0.1", "127.0.0.2", "127.0.0.2"], wants)
     assert all(r.levels is None and not r._pairs for r in rings)
     _sum_ranks_and_close(rings)
+
+
+def test_the_hand_back_within_a_host_is_not_held_to_the_sparse_rows_cap(monkeypatch):
+    monkeypatch.setenv(ring.MAX_BLOCK_ENV, "1024")  # far below the vector: still summed
+    rings = _host_rings(2, 2)
+    xs = [np.full(1 << 14, i, np.float32) for i in range(4)]
+    outs, errors = _on_threads(lambda i: rings[i].all_reduce(xs[i]), 4)
+    assert not any(errors), errors
+    for out in outs:
+        np.testing.assert_array_equal(out, np.full(1 << 14, 6))
+    for r in rings:
+        r.close()
+
+
+def test_a_first_worker_whose_sum_across_fails_lets_its_host_fail_at_once_naming_it():
+    rings = _host_rings(2, 2, timeout=1.0)
+    rings[1].set_timeout(60.0)  # worker 1 waits for its host's sum much longer than that
+    started = time.monotonic()
+    _, errors = _on_threads(lambda i: rings[i].all_reduce(np.ones(1 << 16, np.float32)), 2)
+    assert "sent nothing for 1.0 s" in str(errors[0]), errors  # worker 2 never sums across
+    assert "worker 0 (ring at" in str(errors[1]) and "closed the connection" in str(errors[1])
+    assert time.monotonic() - started < 1.0 + 10, "worker 0's timeout, not worker 1's 60 s"
+    for r in rings:
+        r.close()
 
 
 def test_a_silent_worker_of_a_host_times_out_its_host_naming_it():

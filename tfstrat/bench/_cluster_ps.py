@@ -25,6 +25,8 @@ import json
 import sys
 import time
 
+from tfstrat.bench import _netns
+
 PORT = 29700
 SECRET = "tfstrat bench cluster ps\n"
 
@@ -116,10 +118,7 @@ def run(net, clients: int, *, config: dict, timeout: float, package_root: str) -
     ]
     net.wait(tasks, timeout=timeout + 60, background=[ps])
     moved = net.counters()
-    from tfstrat.bench._netns import counters_delta
-    from tfstrat.bench.cluster import _result
-
-    results = [_result(t) for t in tasks]
+    results = [_netns.result(t) for t in tasks]
     first = results[0]
     served = sum(r["rows"] for r in results)
     return {
@@ -135,7 +134,7 @@ def run(net, clients: int, *, config: dict, timeout: float, package_root: str) -
         "rows_per_s": served / first["seconds"],
         "ps_cpu_share": first["ps_cpu_s"] / first["seconds"],
         "rows_per_ps_cpu_s": served / max(first["ps_cpu_s"], 1e-9),
-        "ps_interface_bytes": counters_delta(before, moved)[0],  # the ps host's, whole run
+        "ps_interface_bytes": _netns.counters_delta(before, moved)[0],  # the ps host's, whole run
     }
 
 

@@ -436,6 +436,17 @@ class Network:
         return "\n".join(parts)
 
 
+def result(task: Task) -> dict:
+    """The JSON of the last `RESULT {...}` line `task` printed (raises naming it if none)."""
+    import json
+
+    text = task.output(limit=1 << 20)
+    found = [line for line in text.splitlines() if line.startswith("RESULT ")]
+    if not found:
+        raise TaskError(f"{task.name} printed no RESULT line:\n{text[-3000:]}")
+    return json.loads(found[-1][len("RESULT ") :])
+
+
 def rate_bits(rate: str) -> float:
     """Bits per second of a `tc` rate ("1gbit", "200mbit", "500kbit", "10gbit")."""
     m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmg]?)(bit|bps)", rate.strip().lower())

@@ -141,7 +141,7 @@ def _ring_tasks(
         tasks.append(net.start(i // k, argv, env=env, name=f"ring:{i}"))
     budget = config.timeout + len(sizes) * (config.seconds + 30) * 2 + streams + 60
     net.wait(tasks, timeout=budget)
-    return [_result(t) for t in tasks]
+    return [_netns.result(t) for t in tasks]
 
 
 MPI_MISSING = (
@@ -198,7 +198,7 @@ def mpi_row(net: _netns.Network, config: ClusterConfig) -> dict:
         row["error"] = f"mpirun failed: {str(e)[-600:]}"
         return row
     row["interface_bytes"] = _netns.counters_delta(before, net.counters())
-    result = _result(task)
+    result = _netns.result(task)
     row["mpi"] = result["mpi"].splitlines()[0].rstrip("\x00 ")  # MPI's string ends in a NUL
     row["sizes"] = [
         {**s, "bus_bytes_per_s": bus_bytes(s["bytes"], net.hosts * k) / s["seconds"]}
@@ -211,14 +211,6 @@ def _package_root() -> str:
     import tfstrat
 
     return os.path.dirname(os.path.dirname(os.path.abspath(tfstrat.__file__)))
-
-
-def _result(task: _netns.Task) -> dict:
-    text = task.output(limit=1 << 20)
-    found = [line for line in text.splitlines() if line.startswith("RESULT ")]
-    if not found:
-        raise _netns.TaskError(f"{task.name} printed no RESULT line:\n{text[-3000:]}")
-    return json.loads(found[-1][len("RESULT ") :])
 
 
 def bus_bytes(size: int, hosts: int) -> float:
@@ -514,7 +506,8 @@ def train_table(rows: list[dict], config: ClusterConfig) -> str:
         body.append(cells)
     mach = rows[0]["machine"] if rows else {}
     return markdown(headers, body) + (
-        "\n\nTraining rows: Keras `fit` (`tfstrat.bench._worker`), one task per host, 1 thread "
+        "\n\nTraining rows: Keras `fit` (`tfstrat.bench._worker`), one task per host (a row "
+        "named HxK: K per host, host by host), 1 thread "
         "in each of TensorFlow's pools, the BFC CPU allocator for every row (stock ones too); "
         f"{config.train_repeats} timed epochs of {config.train_steps} steps after a warm-up "
         "epoch, median. Dense: a 1.84M-weight MLP (7.4 MB of gradients a step), 64 examples "

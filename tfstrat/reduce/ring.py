@@ -84,7 +84,7 @@ _ACCEPT_HANDSHAKE = 5.0
 # The largest block of rows another worker may send for one gather (a sparse gradient's rows):
 # its size comes from the other worker's header, so it is checked before allocating.
 MAX_BLOCK_ENV = "TFSTRAT_RING_MAX_BLOCK_BYTES"
-# "0": one flat ring even when hosts run several workers each (see the module's docstring).
+# "1": one plain ring for everything (see the module's docstring).
 FLAT_ENV = "TFSTRAT_RING_FLAT"
 
 
@@ -172,18 +172,19 @@ class Ring:
                 f"connecting to {self.names[nxt]} took over {2 * timeout} s"
             )
         self._next = connected["socket"]
-        # Two workers on one machine (one host in their addresses): through shared memory.
-        one_host = len({_ports.split(a)[0] for a in addresses}) == 1
-        self._shared = self._share_memory(timeout) if self.size == 2 and one_host else None
-        for s in (self._next, self._prev):
-            s.setblocking(False)
-        self._poll = select.poll()
-        self._sender = _Sender(self)
         #: The two-level exchange's rings (`levels`).
         self._levels: tuple[Ring | None, Ring | None] | None = None
         #: Recursive doubling's connections, by the other worker's rank (`_doubling`).
         self._pairs: dict[int, socket.socket] = {}
+        self._shared = None
         try:
+            # Two workers on one machine (one host in their addresses): through shared memory.
+            one_host = len({_ports.split(a)[0] for a in addresses}) == 1
+            self._shared = self._share_memory(timeout) if self.size == 2 and one_host else None
+            for s in (self._next, self._prev):
+                s.setblocking(False)
+            self._poll = select.poll()
+            self._sender = _Sender(self)
             if self.size > 2:
                 if flat is None:
                     flat = os.environ.get(FLAT_ENV, "0").strip().lower() in ("1", "true", "yes")
@@ -198,7 +199,7 @@ class Ring:
             self.close()
             raise
         finally:
-            listener.close()
+            listener.close()  # (a level's ring: its dup; the flat ring's stays open till here)
 
     def _share_memory(self, timeout: float):
         """(this worker's region, the other's) if both workers can open each other's memory
@@ -281,6 +282,7 @@ class Ring:
         partners = _partners(self.rank, self.size)
         made: dict[int, socket.socket] = {}
         failed: list[BaseException] = []
+        stop = threading.Event()  # the start failed: a socket made after it is closed at once
 
         def connect():
             try:
@@ -288,6 +290,9 @@ class Ring:
                     sock = _connect(self.addresses[p], timeout, self.names[p], key)
                     sock.sendall(_HELLO.pack(self.rank, self.size))
                     made[p] = sock
+                    if stop.is_set():
+                        _close(sock)
+                        return
             except BaseException as e:  # raised below
                 failed.append(e)
 
@@ -295,9 +300,8 @@ class Ring:
         connector.start()
         try:
             higher = {q for q in partners if q > self.rank}
-            deadline = time.monotonic() + timeout
-            while higher:
-                conn, rank = _accept_any(listener, deadline, higher, self.size, self.names, key)
+            while higher:  # each within the timeout
+                conn, rank = _accept_any(listener, timeout, higher, self.size, self.names, key)
                 higher.discard(rank)
                 made[rank] = conn
             connector.join(2 * timeout + _secret.HANDSHAKE_SECONDS)
@@ -311,7 +315,7 @@ class Ring:
                     )
                 )
         except BaseException:
-            connector.join(timeout)
+            stop.set()
             _close(*made.values())
             raise
         return made
@@ -387,7 +391,8 @@ class Ring:
         for level in filter(None, getattr(self, "_levels", None) or ()):
             level.close()
         _close(*getattr(self, "_pairs", {}).values())
-        self._sender.stop()
+        if hasattr(self, "_sender"):  # (a start that failed before it)
+            self._sender.stop()
         for r in self._shared or ():
             r.close()
         for s in (self._next, self._prev):
@@ -456,9 +461,20 @@ class Ring:
         flat = reduce.reshape(-1)
         summed = local.exchange(flat, [])[0] if local else flat
         if across:  # this host's first worker
-            summed = across.exchange(summed, [])[0]
+            try:
+                summed = across.exchange(summed, [])[0]
+            except BaseException:
+                if local:  # its host's workers, waiting for the sum, fail now naming it
+                    local.close()
+                raise
         if local:  # the first worker's sum, to the others (they send nothing)
+            local.max_block = max(self.max_block, flat.nbytes)  # the cap is for sparse rows
             summed = local.exchange(None, [summed if across else flat[:0]])[1][0]
+            if summed.nbytes != flat.nbytes:
+                raise RingError(
+                    f"{local.names[0]} handed back {summed.nbytes} bytes for a sum of "
+                    f"{flat.nbytes}: the workers reduce different things"
+                )
         self.bytes_sent += sum(r.bytes_sent for r in (local, across) if r) - before
         self.shared_bytes += (local.shared_bytes if local else 0) - shared
         return summed.reshape(reduce.shape)
@@ -504,7 +520,7 @@ class Ring:
             except OSError as e:
                 raise RingError(f"sending to {who} failed: {e!r}") from e
         if into is not None:
-            head = _read(sock, _HEADER.size + _SIZE.size, who, self.timeout)
+            head = self._read_call(sock, _HEADER.size + _SIZE.size, who)
             call, count = _HEADER.unpack_from(head)
             (nbytes,) = _SIZE.unpack_from(head, _HEADER.size)
             if (call, count, nbytes) != (self.calls, 1, into.nbytes):
@@ -515,7 +531,11 @@ class Ring:
                     "programs: a worker stopped early (stop_training, an exception, or the end "
                     "of its data), or they run different programs or models."
                 )
-            _bytes_of(into)[:] = _read(sock, nbytes, who, self.timeout)
+            _bytes_of(into)[:] = self._read_call(sock, nbytes, who)
+
+    def _read_call(self, sock: socket.socket, n: int, who: str) -> bytes:
+        """`n` bytes of a call from `who` on a direct connection; fails naming it."""
+        return _read(sock, n, who, self.timeout, closed=str(self._closed(who)))
 
     def _ring(self, reduce, gathers):
         """3+ workers: reduce-scatter then all-gather around the ring; the blocks to gather
@@ -693,9 +713,9 @@ class Ring:
             else f"sending to {self._next_name} took over {self.timeout} s"
         )
 
-    def _closed(self) -> RingError:
+    def _closed(self, who: str | None = None) -> RingError:
         return RingError(
-            f"{self._prev_name} closed the connection: it failed or stopped early "
+            f"{who or self._prev_name} closed the connection: it failed or stopped early "
             "(stop_training, an exception, or the end of its data); its own output says why"
         )
 
@@ -1204,13 +1224,17 @@ def _partners(rank: int, size: int) -> set[int]:
 
 
 def _accept_any(
-    listener: socket.socket, deadline: float, ranks: set, size: int, names: list, key: bytes
+    listener: socket.socket, timeout: float, ranks: set, size: int, names: list, key: bytes
 ) -> tuple[socket.socket, int]:
-    """The next connection of one of `ranks` (each proves the job's secret, then says its
-    rank and the group's size); anything else fails naming who is awaited."""
+    """The next connection of one of `ranks` within `timeout` (each proves the job's secret,
+    then says its rank and the group's size); anything else fails naming who is awaited."""
     waiting = ", ".join(names[i] for i in sorted(ranks))
-    conn = _accept(listener, max(deadline - time.monotonic(), 0), None, size, waiting, key)
-    got_rank, got_size = _HELLO.unpack(_read(conn, _HELLO.size, waiting, 5.0))
+    conn = _accept(listener, timeout, None, size, waiting, key)
+    try:
+        got_rank, got_size = _HELLO.unpack(_read(conn, _HELLO.size, waiting, timeout))
+    except BaseException:
+        conn.close()
+        raise
     if got_rank not in ranks or got_size != size:
         conn.close()
         raise RingError(
@@ -1220,7 +1244,9 @@ def _accept_any(
     return conn, got_rank
 
 
-def _read(s: socket.socket, n: int, peer: str, timeout: float) -> bytes:
+def _read(s: socket.socket, n: int, peer: str, timeout: float, closed: str = "") -> bytes:
+    """`n` bytes from `peer`; `closed`: the error if it closes the connection first (else:
+    during the ring's start-up)."""
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
@@ -1231,6 +1257,6 @@ def _read(s: socket.socket, n: int, peer: str, timeout: float) -> bytes:
         except OSError as e:
             raise RingError(f"receiving from {peer} failed: {e!r}") from e
         if k == 0:
-            raise RingError(f"{peer} closed the connection during the ring's start-up")
+            raise RingError(closed or f"{peer} closed the connection during the ring's start-up")
         got += k
     return bytes(buf)
