@@ -31,9 +31,9 @@ AGREEMENT = 1e-6  # between workers
 PORT = 2222  # every host's TF port (P); tfstrat's listener is on P + 1
 TASK_TIMEOUT = 150  # a cluster run: start-up (imports) of 3 processes on 2 cores, 6 steps
 HOSTS = 3
-# The namespaces share this machine's memory, which two machines do not: the rings exchange
-# over TCP alone, as between machines (tfstrat.reduce.shared_memory).
-APART = {"TFSTRAT_RING_SHARED_MEMORY": "0"}
+# The namespaces share this machine's memory, which two machines do not: the ring shares
+# memory only between workers whose addresses name one host (tfstrat.reduce.ring), so across
+# the namespaces it exchanges over TCP alone, as between machines.
 
 
 @pytest.fixture(scope="module")
@@ -68,19 +68,19 @@ def _env(cluster: dict, task_type: str, index: int) -> dict[str, str]:
         "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
         "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
-        **APART,
     }
 
 
-def _train(net, out, model: str, workers, ps=(), *args) -> tuple[list[dict], str]:
-    """Worker i on host i, ps j on the host after the workers; returns each worker's npz and
-    every task's output."""
-    cluster = {"worker": [f"{h}:{PORT}" for h in workers]}
+def _train(net, out, model: str, workers, ps=(), *args, per_host=1) -> tuple[list[dict], str]:
+    """Worker i on host i (`per_host` K: host i // K, ports 2 apart, `workers` naming each
+    worker's host), ps j on the host after the workers; returns each worker's npz and every
+    task's output."""
+    cluster = {"worker": [f"{h}:{PORT + 2 * (i % per_host)}" for i, h in enumerate(workers)]}
     if ps:
         cluster["ps"] = [f"{h}:{PORT}" for h in ps]
     servers = [
         net.start(
-            len(workers) + j,
+            len(workers) // per_host + j,
             [sys.executable, "-m", "tfstrat", "server"],
             env=_env(cluster, "ps", j),
             name=f"ps:{j}",
@@ -90,7 +90,7 @@ def _train(net, out, model: str, workers, ps=(), *args) -> tuple[list[dict], str
     ]
     tasks = [
         net.start(
-            i,
+            i // per_host,
             [sys.executable, "multihost_train.py", str(out), "--model", model, *args],
             env=_env(cluster, "worker", i),
             name=f"worker:{i}",
@@ -200,6 +200,22 @@ def test_collective_own_name_is_127_0_1_1(net, reference, tmp_path):
         assert net.run(0, ["getent", "hosts", net.names[0]]).split()[0] == "127.0.1.1"
         assert net.run(1, ["getent", "hosts", net.names[0]]).split()[0] == net.ipv4(0)
         _collective(net, reference, tmp_path, net.names)
+    finally:
+        net.write_hosts()
+
+
+@pytest.mark.timeout(240)
+def test_two_workers_a_host_whose_own_name_is_127_0_1_1(net, reference, tmp_path):
+    """Two workers on each of two hosts named as SLURM names them, each host's own name
+    127.0.1.1 there: a worker whose ring neighbour is on its own host must still listen on
+    the address the other host reaches (the next host's worker, and the two levels' first
+    workers, connect to it). Equal to one device; the dense sum in two levels."""
+    net.write_hosts(own_name_loopback=range(HOSTS))
+    try:
+        hosts = [net.names[0], net.names[0], net.names[1], net.names[1]]
+        results, log = _train(net, tmp_path, "collective", hosts, per_host=2)
+        _check(results, reference, "collective", log)
+        assert "within this host first (shared memory), then one worker a host" in log, log
     finally:
         net.write_hosts()
 

@@ -628,10 +628,11 @@ def _plot(ax, rows):
     if trained:
         grid = fig.add_gridspec(2, 1, height_ratios=[1, 1])
         ax.set_subplotspec(grid[0])
-    hosts = sorted({r["hosts"] for r in rows if r["impl"] not in ("training", "launchers")})
+    calls = [r for r in rows if "sizes" in r]  # the ring's and OpenMPI's rows
+    hosts = sorted({r["hosts"] for r in calls})
     colours = dict(zip(hosts, plt.get_cmap("tab10").colors))
-    for row in rows:
-        if "error" in row or row["impl"] in ("training", "launchers"):
+    for row in calls:
+        if "error" in row:
             continue
         xs = [s["bytes"] for s in row["sizes"]]
         ys = [s["bus_bytes_per_s"] / 1e6 for s in row["sizes"]]
