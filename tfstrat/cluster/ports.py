@@ -69,8 +69,11 @@ def tfstrat_port(address: str) -> int:
 
 
 def route_source(peers: Sequence[str]) -> str | None:
-    """The local address the kernel would send from to reach the first peer that resolves
-    (peers are "host:port" or bare hosts), or None when none resolves or has a route."""
+    """The local address the kernel would send from to reach the peers (peers are
+    "host:port" or bare hosts), in order: the first that is not loopback, else (every peer
+    this machine's own, or a name this host maps to 127.0.1.1) the first loopback one; None
+    when no peer resolves or has a route."""
+    first = None
     for peer in peers:
         host = split(peer)[0] if peer.count(":") == 1 or peer.startswith("[") else peer
         try:
@@ -81,10 +84,14 @@ def route_source(peers: Sequence[str]) -> str | None:
             try:  # connect() on UDP sends nothing: it only picks the route and source
                 with socket.socket(family, socket.SOCK_DGRAM) as s:
                     s.connect(sockaddr)
-                    return s.getsockname()[0].split("%", 1)[0]
+                    source = s.getsockname()[0].split("%", 1)[0]
             except OSError:
                 continue
-    return None
+            if not ipaddress.ip_address(source).is_loopback:
+                return source
+            first = first or source
+            break
+    return first
 
 
 def wildcard(like: str) -> str:

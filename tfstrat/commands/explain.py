@@ -80,7 +80,7 @@ def _bind_text(host: str, peers: list[tuple[str, str]], job: str) -> str:
     if _is_here(host):
         bound = _ports.route_source(others) or _ports.wildcard(host)
         return f"{bound} (this machine's address on its route to {names})"
-    where = "towards its ring neighbours" if job != "ps" else "towards the workers"
+    where = "towards the other workers" if job != "ps" else "towards the workers"
     return (
         f"{host}'s own address on its route to {names} ({where}; all interfaces when it has "
         "no route)"

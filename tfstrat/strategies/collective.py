@@ -384,7 +384,8 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
 
     def _connect_ring(self, timeout: float) -> ring.Ring:
         """Every worker listens on its tfstrat port (TF_CONFIG port + 1) at its own address
-        towards its ring neighbours; one all-gather tells the others that address."""
+        towards the other workers (its ring neighbours first, a non-loopback one preferred);
+        one all-gather tells the others that address."""
         # Ranks as TensorFlow's: the chief first, then the workers.
         tasks = [
             (f"/job:{job}/replica:0/task:{i}", address)
@@ -393,8 +394,12 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
         ]
         rank, size = self.extended._id_in_cluster, len(tasks)
         mine = tasks[rank][1]
-        neighbours = [tasks[(rank + 1) % size][1], tasks[(rank - 1) % size][1]]
-        host = _ports.route_source(neighbours) or _ports.wildcard(_ports.split(mine)[0])
+        # Towards the neighbours first, then any other task (a neighbour on this machine, named
+        # by a name this host maps to 127.0.1.1, would give loopback: the first worker of the
+        # next host's ring, and the two levels' and recursive doubling's partners, connect too).
+        others = [tasks[(rank + 1) % size][1], tasks[(rank - 1) % size][1]]
+        others += [address for i, (_, address) in enumerate(tasks) if i != rank]
+        host = _ports.route_source(others) or _ports.wildcard(_ports.split(mine)[0])
         port, task = _ports.tfstrat_port(mine), _task_name_of(self.tf_config)
         try:
             listener = ring.listen(host, port, task)
