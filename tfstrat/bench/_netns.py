@@ -440,7 +440,7 @@ def result(task: Task) -> dict:
     """The JSON of the last `RESULT {...}` line `task` printed (raises naming it if none)."""
     import json
 
-    text = task.output(limit=1 << 20)
+    text = task.output(limit=1 << 22)
     found = [line for line in text.splitlines() if line.startswith("RESULT ")]
     if not found:
         raise TaskError(f"{task.name} printed no RESULT line:\n{text[-3000:]}")

@@ -521,17 +521,8 @@ class Ring:
                 raise RingError(f"sending to {who} failed: {e!r}") from e
         if into is not None:
             head = self._read_call(sock, _HEADER.size + _SIZE.size, who)
-            call, count = _HEADER.unpack_from(head)
-            (nbytes,) = _SIZE.unpack_from(head, _HEADER.size)
-            if (call, count, nbytes) != (self.calls, 1, into.nbytes):
-                raise RingError(
-                    f"{who} sent call {call} with {count} part(s) of {nbytes} bytes; "
-                    f"{self.names[self.rank]} expected call {self.calls} with 1 part of "
-                    f"{into.nbytes} bytes. The workers are at different places of their "
-                    "programs: a worker stopped early (stop_training, an exception, or the end "
-                    "of its data), or they run different programs or models."
-                )
-            _bytes_of(into)[:] = self._read_call(sock, nbytes, who)
+            self._check_stream_header(head, into.nbytes, who=who)
+            _bytes_of(into)[:] = self._read_call(sock, into.nbytes, who)
 
     def _read_call(self, sock: socket.socket, n: int, who: str) -> bytes:
         """`n` bytes of a call from `who` on a direct connection; fails naming it."""
@@ -719,12 +710,16 @@ class Ring:
             "(stop_training, an exception, or the end of its data); its own output says why"
         )
 
-    def _check_stream_header(self, head: bytearray, total: int, count_only=False) -> None:
+    def _check_stream_header(
+        self, head: bytes, total: int, count_only=False, who: str | None = None
+    ) -> None:
+        """A one-part call's header (from the previous worker, or `who`): this call, `total`
+        bytes; else the error naming both sides."""
         call, count = _HEADER.unpack_from(head)
         (nbytes,) = (total,) if count_only else _SIZE.unpack_from(head, _HEADER.size)
         if (call, count, nbytes) != (self.calls, 1, total):
             raise RingError(
-                f"{self._prev_name} sent call {call} with {count} part(s) of {nbytes} bytes; "
+                f"{who or self._prev_name} sent call {call} with {count} part(s) of {nbytes} bytes; "
                 f"{self.names[self.rank]} expected call {self.calls} with 1 part of {total} "
                 "bytes. The workers are at different places of their programs: a worker "
                 "stopped early (stop_training, an exception, or the end of its data), or they "
