@@ -456,15 +456,39 @@ def test_all_gather_takes_a_different_row_count_from_each_worker():
     assert any("a multiple of 8 bytes" in str(e) for e in errors), errors
 
 
-def test_workers_reducing_different_tensors_fail_with_both_sizes():
+def test_two_workers_sum_a_small_vector_in_one_message_each_way():
+    """Two workers, a vector of at most 1 KiB alone: one message each way (header and the
+    vector, over TCP even where shared memory is on), the same bits on both."""
     rings, _ = _rings(2)
-    sizes = [8, 10]
+    header = ring._HEADER.size + ring._SIZE.size
+    rng = np.random.default_rng(2)
+    for shape in [(), (0,), (3, 5), (256,)]:
+        xs = [rng.standard_normal(shape).astype(np.float32) for _ in range(2)]
+        before = [(r.bytes_sent, r.shared_bytes) for r in rings]
+        outs, errors = _on_threads(lambda i, xs=xs: rings[i].all_reduce(xs[i]), 2)
+        assert not any(errors), errors
+        for r, out, (sent, shared) in zip(rings, outs, before):
+            assert out.shape == shape
+            np.testing.assert_array_equal(out, xs[0] + xs[1])
+            assert (r.bytes_sent - sent, r.shared_bytes - shared) == (header + xs[0].nbytes, 0)
+    for r in rings:
+        r.close()
+
+
+@pytest.mark.parametrize("sizes", [(8, 10), (256, 257)])
+def test_workers_reducing_different_tensors_fail_with_both_sizes(sizes):
+    """Also when one vector is small enough for one message each way and the other is not:
+    refused at once, not by the timeout."""
+    rings, _ = _rings(2, timeout=60.0)
+    started = time.monotonic()
     _, errors = _on_threads(lambda i: rings[i].all_reduce(np.ones(sizes[i], np.float32)), 2)
+    assert time.monotonic() - started < 30, "refused by the header, long before the timeout"
     messages = [str(e) for e in errors if e is not None]
     assert any("a worker stopped early" in m and "different programs" in m for m in messages), (
         messages
     )
-    assert any("32 bytes" in m and "40 bytes" in m for m in messages), messages
+    small, large = (f"{4 * k} bytes" for k in sizes)
+    assert any(small in m and large in m for m in messages), messages
 
 
 def test_after_a_failure_the_ring_refuses_further_calls_saying_why():
@@ -507,6 +531,13 @@ def test_a_peer_that_closes_fails_the_other_naming_it():
     rings[1].close()
     with pytest.raises(RingError, match="task:1"):
         rings[0].all_reduce(np.ones(1 << 16, np.float32))
+
+
+def test_a_peer_that_closes_before_a_small_call_fails_the_other_naming_it():
+    rings, _ = _rings(2)
+    rings[1].close()
+    with pytest.raises(RingError, match="worker 1 .*closed the connection"):
+        rings[0].all_reduce(np.ones(4, np.float32))
 
 
 def test_a_silent_peer_times_out_naming_it():
