@@ -1,6 +1,6 @@
 """One rank of `tfstrat bench cluster`'s OpenMPI rows: mpi4py's `Allreduce` (float32 SUM) of
-the same sizes as the ring rows, timed the same way (2 warm-up calls, then `iters`, or fewer, at
-least 3, when the first three say `seconds` would not hold them; the ranks agree on the count).
+the same sizes as the ring rows, timed the same way (2 warm-up calls, then as many as
+`_cluster_ring.timed_calls` says; the ranks agree on the count).
 
     mpirun ... python -m tfstrat.bench._cluster_mpi '{"sizes": [4, 1048576], "iters": 20,
         "seconds": 5}'
@@ -20,6 +20,8 @@ def main(config: dict) -> dict | None:
     import numpy as np
     from mpi4py import MPI
 
+    from tfstrat.bench._cluster_ring import timed_calls
+
     comm = MPI.COMM_WORLD
     results = []
     for size in config["sizes"]:
@@ -33,8 +35,7 @@ def main(config: dict) -> dict | None:
             comm.Allreduce(x, y, op=MPI.SUM)
             seconds.append(time.perf_counter() - begin)
             if len(seconds) == 3:
-                fit = int(float(config["seconds"]) / max(statistics.median(seconds), 1e-9))
-                calls = comm.allreduce(max(3, min(calls, fit)), op=MPI.MIN)
+                calls = comm.allreduce(timed_calls(config, seconds), op=MPI.MIN)
         if float(y[-1]) != comm.Get_size():
             raise SystemExit(f"rank {comm.Get_rank()}: the sum of ones ended in {y[-1]}")
         slowest = comm.allreduce(statistics.median(seconds), op=MPI.MAX)

@@ -4,8 +4,9 @@ directly (`Ring.all_reduce`, no TensorFlow), float32 SUM all-reduces of many siz
     python -m tfstrat.bench._cluster_ring '{"rank": 0, "addresses": ["10.77.0.1:29500", ...],
         "sizes": [4, 1048576], "iters": 20, "seconds": 5, "timeout": 60}'
 
-Each size runs 2 warm-up calls, then `iters` timed calls, or fewer (at least 3) when the first
-three say `seconds` would not hold them (the hosts agree on the count through the ring). Prints `RESULT {json}`: per size the median seconds of a call, and the bytes this
+Each size runs 2 warm-up calls, then `iters` timed calls, more for quick calls (up to 2,000, as
+many as fill half a second), or fewer (at least 3) when the first three say `seconds` would not
+hold them (`timed_calls`; the hosts agree on the count through the ring). Prints `RESULT {json}`: per size the median seconds of a call, and the bytes this
 process sent through the ring over the whole run (the ring's own count, headers included),
 which the caller compares with what the host's interface counted.
 """
@@ -18,6 +19,7 @@ import sys
 import time
 
 KEY = b"tfstrat bench cluster"
+QUICK_SECONDS, MAX_CALLS = 0.5, 2000
 
 
 def main(config: dict) -> dict:
@@ -41,9 +43,8 @@ def main(config: dict) -> dict:
                 begin = time.perf_counter()
                 y = r.all_reduce(x)
                 seconds.append(time.perf_counter() - begin)
-                if len(seconds) == 3:  # how many fit `seconds`: the hosts agree on the fewest
-                    fit = int(float(config["seconds"]) / max(statistics.median(seconds), 1e-9))
-                    wanted = np.array([max(3, min(calls, fit))], np.int64)
+                if len(seconds) == 3:  # how many: the hosts agree on the fewest
+                    wanted = np.array([timed_calls(config, seconds)], np.int64)
                     calls = int(r.all_gather(wanted).min())
             if float(y[-1]) != len(addresses):  # a sum of ones: one per host
                 raise SystemExit(f"host {rank}: the sum of {size} bytes of ones ended in {y[-1]}")
@@ -60,6 +61,16 @@ def main(config: dict) -> dict:
     return {"rank": rank, "hosts": len(addresses), "sizes": results, "ring_bytes_sent": sent,
             "between_hosts_bytes": between, "levels": r.levels is not None,
             "stream_bytes_per_s": streamed}  # fmt: skip
+
+
+def timed_calls(config: dict, first: list[float]) -> int:
+    """How many calls to time, from the first three's seconds: `iters`, or more for quick
+    calls (as many as fill `QUICK_SECONDS`, at most `MAX_CALLS`: a few microseconds' calls
+    need thousands for a steady median), or fewer (at least 3) where `seconds` would not hold
+    them."""
+    call = max(statistics.median(first), 1e-9)
+    quick = min(MAX_CALLS, int(min(QUICK_SECONDS, float(config["seconds"])) / call))
+    return max(3, min(max(int(config["iters"]), quick), int(float(config["seconds"]) / call)))
 
 
 def _between_hosts(r) -> int:
