@@ -12,7 +12,8 @@ any number of blocks of rows to gather (sparse gradients), so a step waits for i
   commutative). The bytes are the ring's (S each way) in one round instead of two. On one
   machine the message goes through shared memory instead (`tfstrat.reduce.shared_memory`):
   each copies it into its own memory file, the TCP connection carries only the header, and
-  each sums straight from the other's memory.
+  each sums straight from the other's memory. A vector of 1 KiB or less alone goes over TCP
+  in any case, read in one receive (`Ring._pair_small`): there only the latency counts.
 - **3+ workers**: the classic ring (reduce-scatter, then all-gather: each worker sends
   2(n-1)/n of the vector); the blocks travel with the reduce-scatter's messages. A vector
   alone streams: each round's bytes go on to the next worker in pieces as they arrive and are
