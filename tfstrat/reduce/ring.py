@@ -75,6 +75,10 @@ _THREAD_BYTES = 1 << 22
 # measured with `tfstrat bench cluster` (a round takes 25-500 us with 2-16 hosts on 2 CPUs), the
 # extra bytes ((n-1) x the vector instead of 2(n-1)/n x) cost less up to 1 KiB at 200 Mbit/s.
 _SMALL_VECTOR = 1 << 10
+# Two levels (`Ring._by_hosts`): a host's first worker sums across the hosts and hands the sum
+# back in pieces of at most this many bytes (one piece's sum across at a time keeps the host's
+# other workers within the ring's timeout; 64 MiB take about 1 s at 1 Gbit/s).
+_HAND_BACK_PIECE = 64 << 20
 # Sums are done in pieces of at least this many bytes as they arrive (fewer numpy calls).
 _SUM_PIECE = 1 << 18
 # 3+ workers: the reduce-scatter's received bytes are summed, and so may go on to the next
@@ -498,22 +502,34 @@ class Ring:
         before = sum(r.bytes_sent for r in (local, across) if r)
         shared = local.shared_bytes if local else 0
         flat = reduce.reshape(-1)
-        summed = local.exchange(flat, [])[0] if local else flat
-        if across:  # this host's first worker
-            try:
-                summed = across.exchange(summed, [])[0]
-            except BaseException:
-                if local:  # its host's workers, waiting for the sum, fail now naming it
-                    local.close()
-                raise
-        if local:  # the first worker's sum, to the others (they send nothing)
-            local.max_block = max(self.max_block, flat.nbytes)  # the cap is for sparse rows
-            summed = local.exchange(None, [summed if across else flat[:0]])[1][0]
-            if summed.nbytes != flat.nbytes:
-                raise RingError(
-                    f"{local.names[0]} handed back {summed.nbytes} bytes for a sum of "
-                    f"{flat.nbytes}: the workers reduce different things"
-                )
+        mine = local.exchange(flat, [])[0] if local else flat
+        # Across and back in pieces: the host's other workers get a piece at least every
+        # piece's sum across, so the ring's timeout bounds their wait however large the vector.
+        step = max(1, _HAND_BACK_PIECE // max(1, flat.itemsize))
+        starts = range(0, max(1, flat.size), step)
+        summed = flat if len(starts) == 1 else self._results.get(flat.shape, flat.dtype)
+        for start in starts:
+            piece = mine[start : start + step]
+            if across:  # this host's first worker
+                try:
+                    piece = across.exchange(piece, [])[0]
+                except BaseException:
+                    if local:  # its host's workers, waiting for the sum, fail now naming it
+                        local.close()
+                    raise
+            if local:  # the first worker's sum, to the others (they send nothing)
+                local.max_block = max(self.max_block, piece.nbytes)  # the cap is for sparse rows
+                expected = flat[start : start + step].nbytes
+                piece = local.exchange(None, [piece if across else flat[:0]])[1][0]
+                if piece.nbytes != expected:
+                    raise RingError(
+                        f"{local.names[0]} handed back {piece.nbytes} bytes for a sum of "
+                        f"{expected}: the workers reduce different things"
+                    )
+            if len(starts) == 1:
+                summed = piece
+            else:
+                summed[start : start + step] = piece
         self.bytes_sent += sum(r.bytes_sent for r in (local, across) if r) - before
         self.shared_bytes += (local.shared_bytes if local else 0) - shared
         return summed.reshape(reduce.shape)
