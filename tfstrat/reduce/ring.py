@@ -26,7 +26,8 @@ any number of blocks of rows to gather (sparse gradients), so a step waits for i
   workers' ring addresses): a vector alone goes in two levels (`Ring._by_hosts`). A host's
   workers sum their vectors among themselves (two: through shared memory), each host's first
   worker all-reduces that sum with the other hosts' first workers in a ring of their own, and
-  hands the result back to its host's workers. Each host's link carries 2(H-1)/H of the vector
+  hands the result back to its host's workers, 64 MiB at a time (so they hear from it at least
+  every 64 MiB's sum across, within the ring's timeout however large the vector). Each host's link carries 2(H-1)/H of the vector
   for H hosts, where one flat ring of all N workers carries 2(N-1)/N of it, and waits on H-1
   rounds' latency instead of N-1. These rings connect on the same listeners (the tfstrat
   port). `TFSTRAT_RING_FLAT=1` on any task keeps one plain ring for everything (no two levels,
