@@ -1,13 +1,16 @@
 """One host's process of `tfstrat bench cluster`'s ring rows: tfstrat's TCP ring called
-directly (`Ring.all_reduce`, no TensorFlow), float32 SUM all-reduces of many sizes.
+directly (`Ring.exchange`, no TensorFlow), float32 SUM all-reduces of many sizes: the sum
+lands in one of the ring's buffers, as a training step's does (and as OpenMPI's `Allreduce`
+fills the caller's), not in a copy as `Ring.all_reduce` returns it.
 
     python -m tfstrat.bench._cluster_ring '{"rank": 0, "addresses": ["10.77.0.1:29500", ...],
         "sizes": [4, 1048576], "iters": 20, "seconds": 5, "timeout": 60}'
 
 Each size runs 2 warm-up calls, then `iters` timed calls, more for quick calls (up to 2,000, as
 many as fill half a second), or fewer (at least 3) when the first three say `seconds` would not
-hold them (`timed_calls`; the hosts agree on the count through the ring). Prints `RESULT {json}`: per size the median seconds of a call, and the bytes this
-process sent through the ring over the whole run (the ring's own count, headers included),
+hold them (`timed_calls`; the hosts agree on the count through the ring). Prints
+`RESULT {json}`: per size the median seconds of a call, and the bytes this process sent
+through the ring over the whole run (the ring's own count, headers included),
 which the caller compares with what the host's interface counted.
 """
 
@@ -37,11 +40,11 @@ def main(config: dict) -> dict:
         for size in config["sizes"]:
             x = np.ones(max(1, int(size) // 4), np.float32)
             for _ in range(2):
-                r.all_reduce(x)
+                r.exchange(x, [])
             seconds, calls = [], int(config["iters"])
             while len(seconds) < calls:
                 begin = time.perf_counter()
-                y = r.all_reduce(x)
+                y = r.exchange(x, [])[0]
                 seconds.append(time.perf_counter() - begin)
                 if len(seconds) == 3:  # how many: the hosts agree on the fewest
                     wanted = np.array([timed_calls(config, seconds)], np.int64)
