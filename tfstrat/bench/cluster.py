@@ -254,6 +254,10 @@ def fit(row: dict) -> dict:
     # weighted by 1/time: small and large calls count alike
     weights = 1.0 / seconds
     (alpha, beta), *_ = np.linalg.lstsq(terms * weights[:, None], seconds * weights, rcond=None)
+    if alpha < 0:  # large calls alone say little of the latency: none, not a negative one
+        alpha = 0.0
+        wire, target = terms[:, 1] * weights, seconds * weights
+        beta = float(wire @ target / (wire @ wire))
     return {"alpha_s": float(alpha), "beta_s_per_byte": float(beta), "hosts": row["workers"]}
 
 
