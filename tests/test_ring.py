@@ -416,7 +416,7 @@ def test_the_sum_across_comes_back_in_pieces_each_within_the_timeout(hosts, k, m
     plain = across.exchange
 
     def slow(x, gathers):
-        time.sleep(0.7 * -(-x.nbytes // 4096))
+        time.sleep(0.7 * -(-x.nbytes // 4096) if x is not None else 0)
         return plain(x, gathers)
 
     across.exchange = slow
@@ -429,6 +429,23 @@ def test_the_sum_across_comes_back_in_pieces_each_within_the_timeout(hosts, k, m
         np.testing.assert_array_equal(out.view(np.uint32), outs[0].view(np.uint32))
     if hosts == 2:  # host sums, then across: exactly, piece by piece
         np.testing.assert_array_equal(outs[0], (xs[0] + xs[1]) + (xs[2] + xs[3]))
+    for r in rings:
+        r.close()
+
+
+def test_hosts_summing_vectors_of_different_piece_counts_fail_naming_both(monkeypatch):
+    """Each piece's call checks only its own size: the hosts' first workers compare the whole
+    vectors' sizes first, so 2 pieces against 3 fail at once on both hosts."""
+    monkeypatch.setattr(ring, "_HAND_BACK_PIECE", 4096)
+    rings = _host_rings(2, 2, timeout=60.0)
+    sizes = [2048, 2048, 3072, 3072]  # floats: host 0 has 2 pieces of 4 KiB, host 1 has 3
+    started = time.monotonic()
+    _, errors = _on_threads(lambda i: rings[i].all_reduce(np.ones(sizes[i], np.float32)), 4)
+    assert time.monotonic() - started < 30, "refused, long before the timeout"
+    assert all(isinstance(e, RingError) for e in errors), errors
+    for i in (0, 2):
+        assert "8192 bytes on worker 0" in str(errors[i]), errors[i]
+        assert "12288 bytes on worker 2" in str(errors[i]), errors[i]
     for r in rings:
         r.close()
 
@@ -504,10 +521,11 @@ def test_two_workers_sum_a_small_vector_in_one_message_each_way():
         r.close()
 
 
-@pytest.mark.parametrize("sizes", [(8, 10), (256, 257)])
+@pytest.mark.parametrize("sizes", [(8, 10), (256, 257), (1, 300)])
 def test_workers_reducing_different_tensors_fail_with_both_sizes(sizes):
-    """Also when one vector is small enough for one message each way and the other is not:
-    refused at once, not by the timeout."""
+    """Also when one vector is small enough for one message each way and the other is not
+    (and shorter than the other's header through shared memory): refused at once, not by the
+    timeout."""
     rings, _ = _rings(2, timeout=60.0)
     started = time.monotonic()
     _, errors = _on_threads(lambda i: rings[i].all_reduce(np.ones(sizes[i], np.float32)), 2)
@@ -519,6 +537,21 @@ def test_workers_reducing_different_tensors_fail_with_both_sizes(sizes):
     )
     small, large = (f"{4 * k} bytes" for k in sizes)
     assert any(small in m and large in m for m in messages), messages
+
+
+def test_a_sum_against_a_gather_of_the_same_bytes_fails_on_both_workers():
+    """The header says what a call exchanges: one worker summing 16 bytes while the other
+    gathers 16 bytes of rows fail both, naming what each sent, instead of mixing them."""
+    rings, _ = _rings(2, timeout=60.0)
+    calls = [
+        lambda: rings[0].all_reduce(np.ones(4, np.float32)),
+        lambda: rings[1].all_gather(np.ones((1, 4), np.float32)),
+    ]
+    _, errors = _on_threads(lambda i: calls[i](), 2)
+    assert all(isinstance(e, RingError) for e in errors), errors
+    assert "(rows)" in str(errors[0]) and "(the first a vector)" in str(errors[1]), errors
+    for r in rings:
+        r.close()
 
 
 def test_after_a_failure_the_ring_refuses_further_calls_saying_why():

@@ -36,6 +36,7 @@ FUZZ = settings(
 KEY = b"the job"
 CAP = 1 << 20  # TFSTRAT_RING_MAX_BLOCK_BYTES while fuzzing
 HEADER, SIZE, HELLO = struct.Struct("!QI"), struct.Struct("!Q"), struct.Struct("!II")
+TWO_PARTS = 2 | ring._VECTOR  # the parts field of a call that sums a vector and gathers rows
 
 
 @pytest.fixture(autouse=True)
@@ -124,7 +125,7 @@ def _check_result(data: bytes, summed, gathered) -> None:
     """A call that succeeded took a frame a worker could have sent (call 1, two parts: the
     4 floats summed, rows of 3 gathered), and its result is exactly what that frame said."""
     call, count = HEADER.unpack(data[: HEADER.size])
-    assert (call, count) == (1, 2), (call, count)
+    assert (call, count) == (1, TWO_PARTS), (call, count)
     at = HEADER.size + 2 * SIZE.size
     first, second = (SIZE.unpack(data[k : k + SIZE.size])[0] for k in (HEADER.size, at - 8))
     assert first == 16 and second % 12 == 0, (first, second)
@@ -155,7 +156,7 @@ SIZES = st.one_of(
 @FUZZ
 @given(
     call=st.sampled_from([0, 1, 2, 2**64 - 1]),
-    count=st.sampled_from([0, 1, 2, 3, 2**32 - 1]),
+    count=st.sampled_from([0, 1, 2, 3, TWO_PARTS, 2 | ring._SHARED, TWO_PARTS + 1, 2**32 - 1]),
     sizes=st.lists(SIZES, max_size=4),
     body=st.binary(max_size=64),
 )
@@ -166,7 +167,7 @@ def test_fuzz_lying_headers(call, count, sizes, body):
 
 def test_a_block_over_the_cap_is_refused_before_allocating():
     block = (CAP // 12 + 1) * 12  # rows of 3 floats, one row over the cap
-    frame = HEADER.pack(1, 2) + SIZE.pack(16) + SIZE.pack(block)
+    frame = HEADER.pack(1, TWO_PARTS) + SIZE.pack(16) + SIZE.pack(block)
     outcome = _exchange_against(frame)
     message = str(outcome["error"])
     assert f"a block of {block:,} bytes to gather, over the ring's cap of {CAP:,}" in message
@@ -177,7 +178,8 @@ def test_the_right_frame_is_summed_and_gathered():
     """The fake peer is faithful when it sends what a worker sends: the fuzz tests its framing."""
     mine = np.arange(4, dtype=np.float32)
     rows = np.full((1, 3), 7, np.float32)
-    frame = HEADER.pack(1, 2) + SIZE.pack(16) + SIZE.pack(12) + mine.tobytes() + rows.tobytes()
+    frame = HEADER.pack(1, TWO_PARTS) + SIZE.pack(16) + SIZE.pack(12) + mine.tobytes()
+    frame += rows.tobytes()
     outcome = _exchange_against(frame)
     summed, (gathered,) = outcome["result"]
     assert summed.tolist() == (mine + 1).tolist()

@@ -40,7 +40,8 @@ receives, so the kernel's two copies run on two cores. Buffers are kept between 
 step's exchange allocates nothing but the gathered blocks (fresh memory would be page-faulted
 in every step), and its result reaches TensorFlow without a copy (`Results`).
 
-Every message (a streamed call: its first) carries a header (call number, its parts' sizes), so workers that disagree on
+Every message (a streamed call: its first) carries a header (call number, how many parts and
+of what kind: a vector, rows, through shared memory; their sizes), so workers that disagree on
 what they exchange fail with an error naming both sides instead of mixing data. A call fails
 when no byte moves for the ring's timeout, naming the peer it waits for.
 """
@@ -65,7 +66,12 @@ from tfstrat.reduce import shared_memory
 
 logger = logging.getLogger(__name__)
 
-_HEADER = struct.Struct("!QI")  # call number, number of parts; then one "!Q" size per part
+_HEADER = struct.Struct("!QI")  # call number, parts (`_count`); then one "!Q" size per part
+# The parts field: their number, and what they are, so that workers exchanging different kinds
+# of things (a sum against a gather, shared memory against TCP) fail even at equal sizes.
+_VECTOR = 1 << 30  # the first part is the vector (summed or passed on), the rest rows
+_SHARED = 1 << 29  # the parts are in shared memory; the header ends with where
+_PARTS = _SHARED - 1
 _SIZE = struct.Struct("!Q")
 _HELLO = struct.Struct("!II")  # sender rank, group size
 # A message at least this large is sent by a thread while the caller receives (measured with
@@ -447,7 +453,8 @@ class Ring:
         flat = reduce.reshape(-1)
         payload = _bytes_of(flat)
         head = _HEADER.size + _SIZE.size
-        outgoing = [memoryview(_HEADER.pack(self.calls, 1) + _SIZE.pack(payload.nbytes) + payload)]
+        header = _HEADER.pack(self.calls, 1 | _VECTOR) + _SIZE.pack(payload.nbytes)
+        outgoing = [memoryview(header + payload)]
         self.bytes_sent += outgoing[0].nbytes
         while self._send_some(outgoing):  # at once, but for a full socket buffer
             if not _wait(self._poll, self._next, select.POLLOUT, self.timeout):
@@ -509,28 +516,30 @@ class Ring:
         step = max(1, _HAND_BACK_PIECE // max(1, flat.itemsize))
         starts = range(0, max(1, flat.size), step)
         summed = flat if len(starts) == 1 else self._results.get(flat.shape, flat.dtype)
-        for start in starts:
-            piece = mine[start : start + step]
-            if across:  # this host's first worker
-                try:
+        try:
+            if across and len(starts) > 1:  # a piece's call checks its own size: the whole's
+                _same_sizes(across, flat.nbytes)
+            for start in starts:
+                piece = mine[start : start + step]
+                if across:  # this host's first worker
                     piece = across.exchange(piece, [])[0]
-                except BaseException:
-                    if local:  # its host's workers, waiting for the sum, fail now naming it
-                        local.close()
-                    raise
-            if local:  # the first worker's sum, to the others (they send nothing)
-                local.max_block = max(self.max_block, piece.nbytes)  # the cap is for sparse rows
-                expected = flat[start : start + step].nbytes
-                piece = local.exchange(None, [piece if across else flat[:0]])[1][0]
-                if piece.nbytes != expected:
-                    raise RingError(
-                        f"{local.names[0]} handed back {piece.nbytes} bytes for a sum of "
-                        f"{expected}: the workers reduce different things"
-                    )
-            if len(starts) == 1:
-                summed = piece
-            else:
-                summed[start : start + step] = piece
+                if local:  # the first worker's sum, to the others (they send nothing)
+                    local.max_block = max(self.max_block, piece.nbytes)  # the cap: sparse rows
+                    expected = flat[start : start + step].nbytes
+                    piece = local.exchange(None, [piece if across else flat[:0]])[1][0]
+                    if piece.nbytes != expected:
+                        raise RingError(
+                            f"{local.names[0]} handed back {piece.nbytes} bytes for a sum of "
+                            f"{expected}: the workers reduce different things"
+                        )
+                if len(starts) == 1:
+                    summed = piece
+                else:
+                    summed[start : start + step] = piece
+        except BaseException:
+            if across and local:  # its host's workers, waiting for the sum, fail now naming it
+                local.close()
+            raise
         self.bytes_sent += sum(r.bytes_sent for r in (local, across) if r) - before
         self.shared_bytes += (local.shared_bytes if local else 0) - shared
         return summed.reshape(reduce.shape)
@@ -568,7 +577,7 @@ class Ring:
         sock, who = self._pairs[rank], self.names[rank]
         if send is not None:
             payload = _bytes_of(send)
-            message = _HEADER.pack(self.calls, 1) + _SIZE.pack(payload.nbytes) + payload
+            message = _HEADER.pack(self.calls, 1 | _VECTOR) + _SIZE.pack(payload.nbytes) + payload
             self.bytes_sent += len(message)
             try:
                 sock.sendall(message)
@@ -593,10 +602,6 @@ class Ring:
                     self._check_stream_header(buf, into.nbytes, who=who)
                 got += k
             _bytes_of(into)[:] = view[head:]
-
-    def _read_call(self, sock: socket.socket, n: int, who: str) -> bytes:
-        """`n` bytes of a call from `who` on a direct connection; fails naming it."""
-        return _read(sock, n, who, self.timeout, closed=str(self._closed(who)))
 
     def _ring(self, reduce, gathers):
         """3+ workers: reduce-scatter then all-gather around the ring; the blocks to gather
@@ -664,7 +669,7 @@ class Ring:
         scratch = self._scratch((int(bounds[1] - bounds[0]) + 1,), flat.dtype)
         total = sum(chunk(flat, r - t).nbytes for t in range(rounds))
         coming = sum(chunk(flat, r - t - 1).nbytes for t in range(rounds))
-        header = _HEADER.pack(self.calls, 1) + _SIZE.pack(total)
+        header = _HEADER.pack(self.calls, 1 | _VECTOR) + _SIZE.pack(total)
         self.bytes_sent += len(header) + total
         pending = [memoryview(header)]  # what may go now, in order
         out_t, queued, tail = 0, 0, -1  # the round being queued, its bytes queued, pending[-1]'s
@@ -787,11 +792,11 @@ class Ring:
         bytes; else the error naming both sides."""
         call, count = _HEADER.unpack_from(head)
         (nbytes,) = (total,) if count_only else _SIZE.unpack_from(head, _HEADER.size)
-        if (call, count, nbytes) != (self.calls, 1, total):
+        if (call, count, nbytes) != (self.calls, 1 | _VECTOR, total):
             raise RingError(
-                f"{who or self._prev_name} sent call {call} with {count} part(s) of {nbytes} bytes; "
-                f"{self.names[self.rank]} expected call {self.calls} with 1 part of {total} "
-                "bytes. The workers are at different places of their programs: a worker "
+                f"{who or self._prev_name} sent call {call} with {_describe(count)} of {nbytes} "
+                f"bytes; {self.names[self.rank]} expected call {self.calls} with 1 part of {total} "
+                "bytes (a vector). The workers are at different places of their programs: a worker "
                 "stopped early (stop_training, an exception, or the end of its data), or they "
                 "run different programs or models."
             )
@@ -826,14 +831,12 @@ class Ring:
 
     def _scratch(self, shape, dtype) -> np.ndarray:
         """The receive buffer, kept between calls (fresh memory would be page-faulted in every
-        step); never returned to the caller. One size at a time: a model's steps repeat it."""
-        if (
-            self._scratch_buf is None
-            or self._scratch_buf.shape != tuple(shape)
-            or (self._scratch_buf.dtype != np.dtype(dtype))
-        ):
-            self._scratch_buf = np.empty(shape, dtype)
-        return self._scratch_buf
+        step) and grown to the largest asked for; never returned to the caller."""
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if self._scratch_buf is None or self._scratch_buf.nbytes < nbytes:
+            self._scratch_buf = np.empty(nbytes, np.uint8)
+        return self._scratch_buf[:nbytes].view(dtype).reshape(shape)
 
     # -- one duplex round: send `parts` to the next worker, receive into `receive` ------------
 
@@ -841,7 +844,7 @@ class Ring:
         """One round. With `shared` (the descriptor of this call's parts in shared memory),
         only the header and it go over TCP; the returned `_Incoming` holds the other
         worker's header and descriptor."""
-        header = _HEADER.pack(self.calls, len(parts)) + b"".join(
+        header = _HEADER.pack(self.calls, _count(receive, shared is not None)) + b"".join(
             _SIZE.pack(p.nbytes) for p in parts
         )
         self.bytes_sent += len(header) + sum(p.nbytes for p in parts)
@@ -1023,7 +1026,8 @@ class _Incoming:
         # With `shared`, the header ends with that many bytes describing where the parts
         # are in shared memory, and no part follows it.
         self.shared = shared
-        self.header = bytearray(_HEADER.size + _SIZE.size * len(targets) + (shared or 0))
+        self.sized = _HEADER.size + _SIZE.size * len(targets)  # the header up to the sizes
+        self.header = bytearray(self.sized + (shared or 0))
         self.got = 0  # bytes of the header read
         self.part = -1  # index of the part being read (-1: the header)
         self.done = False
@@ -1036,6 +1040,8 @@ class _Incoming:
                 view = self.targets[self.part].view()
             elif self.got < _HEADER.size:  # the count first: the sizes' length depends on it
                 view = memoryview(self.header)[self.got : _HEADER.size]
+            elif self.got < self.sized:  # the sizes, checked before anything else is read
+                view = memoryview(self.header)[self.got : self.sized]
             else:
                 view = memoryview(self.header)[self.got :]
             try:
@@ -1056,8 +1062,9 @@ class _Incoming:
             self.got += n
             if self.got == _HEADER.size:
                 self._check_count()
-            if self.got == len(self.header):
+            if self.got == self.sized:
                 self._check_sizes()
+            if self.got == len(self.header):
                 if self.shared is not None:
                     self.done = True
                 else:
@@ -1082,8 +1089,9 @@ class _Incoming:
 
     def _check_count(self):
         call, count = _HEADER.unpack_from(self.header)
-        if call != self.ring.calls or count != len(self.targets):
-            self._mismatch(f"call {call} with {count} part(s)", f"{len(self.targets)} part(s)")
+        expected = _count(self.targets, self.shared is not None)
+        if call != self.ring.calls or count != expected:
+            self._mismatch(f"call {call} with {_describe(count)}", _describe(expected))
 
     def _check_sizes(self):
         for i, target in enumerate(self.targets):
@@ -1309,6 +1317,29 @@ def _accept_any(
     return conn, got_rank
 
 
+def _same_sizes(ring: Ring, nbytes: int) -> None:
+    """Every worker of `ring` has a vector of `nbytes`; else the error naming each's."""
+    sizes = ring.all_gather(np.array([nbytes], np.int64))
+    if (sizes != nbytes).any():
+        each = ", ".join(f"{b} bytes on {w}" for b, w in zip(sizes.tolist(), ring.names))
+        raise RingError(
+            f"the hosts' first workers sum vectors of different sizes: {each}. They run "
+            "different programs or models."
+        )
+
+
+def _count(targets: list, shared: bool) -> int:
+    """The header's parts field for a round whose parts are received into `targets`."""
+    vector = bool(targets) and not isinstance(targets[0], _Rows)
+    return len(targets) | (_VECTOR if vector else 0) | (_SHARED if shared else 0)
+
+
+def _describe(count: int) -> str:
+    n = count & _PARTS
+    what = "" if not n else " (the first a vector)" if count & _VECTOR else " (rows)"
+    return f"{n} part(s){what}" + (" in shared memory" if count & _SHARED else "")
+
+
 def _wait(poll: select.poll, sock: socket.socket, event: int, timeout: float) -> bool:
     """Whether `sock` became ready for `event` within `timeout` seconds."""
     poll.register(sock, event)
@@ -1324,14 +1355,14 @@ def _kernel_timeout(sock: socket.socket, timeout: float) -> None:
     Python's own polls first."""
     sock.settimeout(None)
     seconds = min(timeout, 2**31 - 1)
-    value = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
+    whole, micros = int(seconds), int((seconds % 1) * 1e6)
+    value = struct.pack("ll", whole, micros if whole else max(1, micros))  # {0, 0}: none
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
 
 
-def _read(s: socket.socket, n: int, peer: str, timeout: float, closed: str = "") -> bytes:
-    """`n` bytes from `peer`; `closed`: the error if it closes the connection first (else:
-    during the ring's start-up)."""
+def _read(s: socket.socket, n: int, peer: str, timeout: float) -> bytes:
+    """`n` bytes from `peer` during the ring's start-up."""
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
@@ -1342,6 +1373,6 @@ def _read(s: socket.socket, n: int, peer: str, timeout: float, closed: str = "")
         except OSError as e:
             raise RingError(f"receiving from {peer} failed: {e!r}") from e
         if k == 0:
-            raise RingError(closed or f"{peer} closed the connection during the ring's start-up")
+            raise RingError(f"{peer} closed the connection during the ring's start-up")
         got += k
     return bytes(buf)
