@@ -112,8 +112,8 @@ def test_a_small_vector_alone_goes_by_recursive_doubling(n):
     rings, _ = _rings(n)
     rng = np.random.default_rng(7)
     big = 1 << (n.bit_length() - 1)
-    header = ring._HEADER.size + ring._SIZE.size
-    for size in (4, 1024, 1028):
+    header = ring._PAIR.size
+    for size in (4, 1024):
         xs = [rng.standard_normal(size // 4).astype(np.float32) for _ in range(n)]
         before = [r.bytes_sent for r in rings]
         outs, errors = _on_threads(lambda i, xs=xs: rings[i].all_reduce(xs[i]), n)
@@ -127,12 +127,77 @@ def test_a_small_vector_alone_goes_by_recursive_doubling(n):
             bit <<= 1
         for r, out, b in zip(rings, outs, before):
             np.testing.assert_array_equal(out.view(np.uint32), outs[0].view(np.uint32))
-            if size > 1024:  # the ring's chunks: 2(n-1) rounds of about size/n each
-                assert r.bytes_sent - b < 2 * (n - 1) * header + 2 * size, r.bytes_sent - b
-                continue
             np.testing.assert_array_equal(out, partial[0])  # recursive doubling's sums
             sends = 1 if r.rank >= big else (big.bit_length() - 1) + (r.rank + big < n)
             assert r.bytes_sent - b == sends * (header + size), (r.rank, r.bytes_sent - b)
+    for r in rings:
+        r.close()
+
+
+def _halving_sums(xs: list[np.ndarray]) -> np.ndarray:
+    """What recursive halving and doubling give (n a power of two): at each level (bit n/2
+    down to 1) worker r keeps the lower half of its range if its bit is 0, else the upper,
+    and adds its partner's sums there to its own."""
+    n = len(xs)
+    totals = [x.copy() for x in xs]
+    ranges = [(0, xs[0].size)] * n
+    bit = n >> 1
+    while bit:
+        new = [t.copy() for t in totals]
+        for r in range(n):
+            lo, hi = ranges[r]
+            mid = lo + (hi - lo) // 2
+            lo, hi = (lo, mid) if not r & bit else (mid, hi)
+            new[r][lo:hi] = totals[r][lo:hi] + totals[r ^ bit][lo:hi]
+            ranges[r] = (lo, hi)
+        totals, bit = new, bit >> 1
+    out = np.empty_like(xs[0])
+    for r, (lo, hi) in enumerate(ranges):
+        out[lo:hi] = totals[r][lo:hi]
+    return out
+
+
+@pytest.mark.parametrize("n", [3, 4, 5, 8])
+def test_a_mid_sized_vector_alone_goes_by_recursive_halving_and_doubling(n):
+    """A power of two of workers, a vector of more than 1 KiB and at most 2 MiB alone:
+    recursive halving, then doubling (Rabenseifner), over the direct connections: exactly
+    those sums on every worker, 2 log2(n) messages and 2(n-1)/n of the vector sent by each.
+    Other counts (3, 5) take the ring's stream: one header, 2(n-1)/n of the vector."""
+    rings, _ = _rings(n)
+    rng = np.random.default_rng(11)
+    halving = not n & (n - 1)
+    for size in (1028, 4100, 2 << 20):
+        xs = [rng.standard_normal(size // 4).astype(np.float32) for _ in range(n)]
+        before = [r.bytes_sent for r in rings]
+        outs, errors = _on_threads(lambda i, xs=xs: rings[i].all_reduce(xs[i]), n)
+        assert not any(errors), errors
+        if halving:
+            expected = _halving_sums(xs)
+            np.testing.assert_allclose(expected, np.sum(xs, axis=0), rtol=1e-4, atol=1e-4)
+        for r, out, b in zip(rings, outs, before):
+            np.testing.assert_array_equal(out.view(np.uint32), outs[0].view(np.uint32))
+            if halving:
+                np.testing.assert_array_equal(out, expected)
+            messages = 2 * (n.bit_length() - 1) if halving else 1
+            header = ring._PAIR.size if halving else ring._HEADER.size + ring._SIZE.size
+            sent = r.bytes_sent - b - messages * header
+            assert abs(sent - 2 * (n - 1) / n * size) <= 4 * n, (r.rank, sent)
+    for r in rings:
+        r.close()
+
+
+def test_recursive_halving_refuses_vectors_whose_halves_match_but_not_the_whole():
+    """Worker 3 sums 2,049 floats, the others 2,048: the halves it swaps first match its
+    partner's, the whole does not; every worker fails at once (those waiting on a failed one:
+    it closed), none by the timeout."""
+    rings, _ = _rings(4, timeout=60.0)
+    sizes = [2048, 2048, 2048, 2049]
+    started = time.monotonic()
+    _, errors = _on_threads(lambda i: rings[i].all_reduce(np.ones(sizes[i], np.float32)), 4)
+    assert time.monotonic() - started < 30, "refused, long before the timeout"
+    assert all(isinstance(e, RingError) for e in errors), errors
+    messages = [str(e) for e in errors]
+    assert any("a vector of 8196" in m and "a vector of 8192 bytes" in m for m in messages)
     for r in rings:
         r.close()
 
@@ -190,11 +255,13 @@ def test_a_small_vector_with_blocks_goes_around_whole_in_n_minus_1_rounds(n):
 
 
 @pytest.mark.parametrize("n", [3, 4, 5])
-def test_a_streamed_ring_sums_each_chunk_in_ring_order_bit_for_bit(n):
+def test_a_streamed_ring_sums_each_chunk_in_ring_order_bit_for_bit(n, monkeypatch):
     """3+ workers, a vector alone: the 2(n-1) rounds stream (a piece of round t goes on as
     soon as that piece of round t-1 is in and summed). Chunk c is summed as the ring passes
     it: x[c] first, then x[c+1] + that, ... x[c-1] last: those bits on every worker, for
-    sizes that split into uneven chunks, chunks of several pieces, and pieces cut mid-chunk."""
+    sizes that split into uneven chunks, chunks of several pieces, and pieces cut mid-chunk.
+    (4 workers would sum these sizes by recursive halving: here they stream too.)"""
+    monkeypatch.setattr(ring, "_HALVING_MAX", 0)
     rings, _ = _rings(n)
     rng = np.random.default_rng(n)
     piece = ring._STREAM_PIECE // 4
