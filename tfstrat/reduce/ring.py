@@ -22,6 +22,10 @@ any number of blocks of rows to gather (sparse gradients), so a step waits for i
   over direct connections instead (`Ring._doubling`): log2(n) rounds, each worker swapping its
   partial sum with the worker whose rank differs in one bit; with blocks to gather, it goes
   around the ring whole with them: n-1 rounds, each worker adding the n vectors in rank order.
+  With a power of two of workers, a vector alone of up to 32 KiB goes by recursive halving and
+  doubling over the same connections (`Ring._halving`): 2 log2(n) rounds, the ring's bytes.
+  Workers in different kinds of call at once (one of these, another a ring call) wait on
+  different connections: they fail by the timeout, naming the peer they wait for.
 - **Workers on several hosts, several on one of them** (a host is the host part of the
   workers' ring addresses): a vector alone goes in two levels (`Ring._by_hosts`). A host's
   workers sum their vectors among themselves (two: through shared memory), each host's first
@@ -91,11 +95,12 @@ _SMALL_VECTOR = 1 << 10
 _HAND_BACK_PIECE = 64 << 20
 # A power of two of workers, 4+: a vector to sum alone larger than `_SMALL_VECTOR` and at most
 # this many bytes goes by recursive halving and doubling (`Ring._halving`); larger, by the ring's
-# stream. Measured on loopback, 4 and 8 workers on 2 CPUs: 1.4-2.4x quicker than the stream
-# from 4 KiB to 1 MiB, even at 4 MiB, slower from 16 MiB (the stream overlaps its rounds). Other
-# worker counts keep the stream: halving's extra steps for them (worker P + i's vector to worker
-# i and the sum back) would put 1.5-2x the ring's bytes on those workers' links.
-_HALVING_MAX = 2 << 20
+# stream. Measured with `tfstrat bench cluster` (8 hosts, 200 Mbit/s links): 1.5-2.2x quicker
+# than the stream at 4-16 KiB, 1.0-1.1x at 32 KiB, 1.17x slower at 64 KiB and 1.2-1.4x at
+# 1-2 MiB (its rounds start and stop; the stream keeps each link busy), though quicker there
+# unshaped. Other worker counts keep the stream: halving's extra steps for them (worker P + i's
+# vector to worker i and the sum back) would put 1.5-2x the ring's bytes on those links.
+_HALVING_MAX = 32 << 10
 # Sums are done in pieces of at least this many bytes as they arrive (fewer numpy calls).
 _SUM_PIECE = 1 << 18
 # 3+ workers: the reduce-scatter's received bytes are summed, and so may go on to the next
