@@ -187,10 +187,43 @@ def test_a_mid_sized_vector_alone_goes_by_recursive_halving_and_doubling(n):
         r.close()
 
 
+@pytest.mark.parametrize("n", [4, 8])
+def test_recursive_halving_sums_every_dtype_and_size_alike(n, monkeypatch):
+    """Halving forced on for every size: vectors of fewer elements than workers (some ranges
+    empty), integers and bfloat16 give exactly the algorithm's sums, the same bits on all; a
+    4 MiB vector (far more than a socket holds: each swap sends and receives at once) too."""
+    import ml_dtypes  # ships with TensorFlow
+
+    monkeypatch.setattr(ring, "_SMALL_VECTOR", 0)
+    monkeypatch.setattr(ring, "_HALVING_MAX", 8 << 20)
+    rings, _ = _rings(n)
+    for r in rings:  # small socket buffers: a swap that sent before receiving would stall
+        for sock in r._pairs.values():
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+    rng = np.random.default_rng(n)
+    cases = [(shape, dtype) for shape in [(), (1,), (3,), (257,)]
+             for dtype in (np.float32, np.int32, ml_dtypes.bfloat16)]  # fmt: skip
+    for shape, dtype in cases + [((1 << 20,), np.float32)]:
+        xs = [(rng.standard_normal(shape) * 100).astype(dtype) for _ in range(n)]
+        outs, errors = _on_threads(lambda i, xs=xs: rings[i].all_reduce(xs[i]), n)
+        assert not any(errors), (shape, dtype, errors)
+        flat = [x.reshape(-1) for x in xs]
+        expected = _halving_sums(flat).reshape(shape)
+        for out in outs:
+            assert out.shape == shape and out.dtype == dtype
+            np.testing.assert_array_equal(
+                out.reshape(-1).view(np.uint8), expected.reshape(-1).view(np.uint8)
+            )
+    for r in rings:
+        r.close()
+
+
 def test_recursive_halving_refuses_vectors_whose_halves_match_but_not_the_whole():
-    """Worker 3 sums 2,049 floats, the others 2,048: the halves it swaps first match its
-    partner's, the whole does not; every worker fails at once (those waiting on a failed one:
-    it closed), none by the timeout."""
+    """Worker 3 sums 2,049 floats, the others 2,048: what worker 1 first gets from worker 3
+    (its lower half, 1,024 floats) is the size worker 1 expects; only the whole vector's size
+    tells them apart. Every worker fails at once (those waiting on a failed one: it closed),
+    none by the timeout."""
     rings, _ = _rings(4, timeout=60.0)
     sizes = [2048, 2048, 2048, 2049]
     started = time.monotonic()

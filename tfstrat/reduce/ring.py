@@ -418,7 +418,8 @@ class Ring:
         for level in filter(None, self._levels or ()):
             level.set_timeout(timeout)
         for sock in self._pairs.values():
-            _kernel_timeout(sock, timeout)
+            if sock.fileno() != -1:  # (closed by a failed call)
+                _kernel_timeout(sock, timeout)
 
     def close(self):
         for level in filter(None, getattr(self, "_levels", None) or ()):
