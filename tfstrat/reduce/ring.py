@@ -31,8 +31,8 @@ any number of blocks of rows to gather (sparse gradients), so a step waits for i
   workers sum their vectors among themselves (two: through shared memory), each host's first
   worker all-reduces that sum with the other hosts' first workers in a ring of their own, and
   hands the result back to its host's workers, 64 MiB at a time (so they hear from it at least
-  every 64 MiB's sum across, within the ring's timeout however large the vector). Each host's link carries 2(H-1)/H of the vector
-  for H hosts, where one flat ring of all N workers carries 2(N-1)/N of it, and waits on H-1
+  every 64 MiB's sum across, within the ring's timeout however large the vector). Each host's
+  link carries 2(H-1)/H of the vector for H hosts, where one flat ring of all N workers carries 2(N-1)/N of it, and waits on H-1
   rounds' latency instead of N-1. These rings connect on the same listeners (the tfstrat
   port). `TFSTRAT_RING_FLAT=1` on any task keeps one plain ring for everything (no two levels,
   no recursive doubling): to compare, or to rule them out.
@@ -658,11 +658,7 @@ class Ring:
                 except OSError as e:
                     raise RingError(f"sending to {who} failed: {e!r}") from e
                 moved = sent > 0
-                while sent and outgoing:
-                    if sent >= outgoing[0].nbytes:
-                        sent -= outgoing.pop(0).nbytes
-                    else:
-                        outgoing[0], sent = outgoing[0][sent:], 0
+                _advance(outgoing, sent)
                 outgoing = [v for v in outgoing if v.nbytes]
             while targets:
                 if got == targets[0].nbytes:
@@ -1035,14 +1031,7 @@ class Ring:
                 return True
             except OSError as e:
                 raise RingError(f"sending to {self._next_name} failed: {e!r}") from e
-            while sent and outgoing:
-                head = outgoing[0]
-                if sent >= head.nbytes:
-                    sent -= head.nbytes
-                    outgoing.pop(0)
-                else:
-                    outgoing[0] = head[sent:]
-                    sent = 0
+            _advance(outgoing, sent)
         return False
 
 
@@ -1335,6 +1324,18 @@ class _Rows(_Into):
 
     def result(self) -> np.ndarray:
         return self.out if self.out is not None else self.block
+
+
+def _advance(outgoing: list[memoryview], sent: int) -> None:
+    """Drops the first `sent` bytes of the views in `outgoing` (what a send took)."""
+    while sent and outgoing:
+        head = outgoing[0]
+        if sent >= head.nbytes:
+            sent -= head.nbytes
+            outgoing.pop(0)
+        else:
+            outgoing[0] = head[sent:]
+            sent = 0
 
 
 def _bytes_of(array: np.ndarray) -> memoryview:
