@@ -7,6 +7,8 @@ What each is for:
   cross-device reduction, per-replica values, distributed input, the Strategy base).
 - `mirrored_strategy`: MirroredStrategy's extended object, which ModelParallel's creates each
   device's part of a sharded variable through.
+- `concrete_function`: the class every eager `tf.function` call goes through (`_call_flat`),
+  where the collectives' watchdog times calls (`tfstrat.strategies._watchdog`).
 - `context`: the eager context (is the runtime up; the coordination service's key-value store).
 - `random_seed`: the global seed Keras's array shuffling reads.
 - `gen_resource_variable_ops`, `handle_data_util`, `resource_variable_ops`: variables placed
@@ -28,6 +30,7 @@ from tensorflow.python.distribute import (  # noqa: F401
     values,
 )
 from tensorflow.python.eager import context  # noqa: F401
+from tensorflow.python.eager.polymorphic_function import concrete_function  # noqa: F401
 from tensorflow.python.framework import random_seed  # noqa: F401
 from tensorflow.python.ops import (  # noqa: F401
     gen_resource_variable_ops,

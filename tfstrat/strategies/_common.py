@@ -10,7 +10,7 @@ import tensorflow as tf
 from tfstrat import runtime
 from tfstrat.errors import UsageError
 from tfstrat.reduce import sparse
-from tfstrat.strategies import _compute, _exact_step
+from tfstrat.strategies import _compute, _exact_step, _watchdog
 
 Impl = tf.distribute.experimental.CommunicationImplementation  # by `transport.Transport`
 logger = logging.getLogger(__name__)
@@ -108,6 +108,8 @@ class AdoptsKerasOptimizers:
 
     def run(self, fn, args=(), kwargs=None, options=None):
         from keras.optimizers import Optimizer
+
+        _watchdog.WATCHDOG.tick()  # a step begins: progress for the collectives' watchdog
 
         model = getattr(fn, "__self__", None)
         optimizer = getattr(model, "optimizer", None)

@@ -31,7 +31,7 @@ from tfstrat.reduce import ring
 from tfstrat.reduce.compression import PowerSGD
 from tfstrat.reduce.cross_device import SparseAwareAllReduce
 from tfstrat.reduce.sparse import DensityPolicy
-from tfstrat.strategies import _common, _reuse, _startup, _stopping, transport
+from tfstrat.strategies import _common, _reuse, _startup, _stopping, _watchdog, transport
 from tfstrat.strategies import agreement as _agreement
 
 logger = logging.getLogger(__name__)
@@ -54,24 +54,57 @@ def _in_nested_control_flow() -> bool:
 
 
 class _CollectiveLauncher(cross_device_utils.CollectiveReplicaLauncher):
-    """Instance keys from a counter variable inside nested control flow.
+    """TensorFlow's launcher of one replica's collectives, with two changes.
 
-    Keras runs `steps_per_execution > 1` steps in a while loop; there the call-time instance
-    key (cross_device_utils.py, TF 2.21) is never fed ("You must feed a value for placeholder
+    Instance keys from a counter variable inside nested control flow: Keras runs
+    `steps_per_execution > 1` steps in a while loop; there the call-time instance key
+    (cross_device_utils.py, TF 2.21) is never fed ("You must feed a value for placeholder
     tensor 'while/cond/Placeholder'"), and a trace-time key breaks when a shape changes between
-    iterations. A counter shared by the strategy's launchers gives each launch its own key.
+    iterations. Each replica has its own counter (`counter`), drawn in trace order: the members
+    of one collective, one per replica, draw the same key (one counter shared by a worker's
+    devices gave them different keys, and they waited for each other forever).
+
+    No per-op timeout (a thread per op, `_watchdog`): every function tracing a collective here is
+    marked for the process's watchdog, with `watch` seconds; an eager all-reduce is a wait.
     """
 
     counter = None
+    watch: float | None = None  # the strategy's timeout; None: not watched
 
     def _next_instance_key(self):
+        _watchdog.WATCHDOG.mark(self.watch)
         if self._use_unique_instance_key() and _in_nested_control_flow():
             return tf.convert_to_tensor(self.counter.assign_add(1))
         return super()._next_instance_key()
 
+    def all_reduce(self, input_tensor, control_input=None, options=None):
+        if self.watch is None or not tf.executing_eagerly():
+            return super().all_reduce(input_tensor, control_input, options)
+        with _watchdog.WATCHDOG.guard(self.watch, "an all-reduce"):
+            return super().all_reduce(input_tensor, control_input, options)
+
+
+# Instance keys of the counters: the replicas' from 2**30, a host's own from 1.5 * 2**30 (its
+# group can have the same key as the replicas' with one device per worker); TensorFlow's own
+# keys start near 0.
+_REPLICA_KEYS, _HOST_KEYS = 1 << 30, 3 << 29
+
+
+def specialise_launchers(replicas, hosts, watch: float | None) -> None:
+    """Makes the launchers of the cross-device ops `replicas` (one launcher per replica) and
+    `hosts` (None or the per-host ops) `_CollectiveLauncher`s, each with its own key counter on
+    its device, watched for `watch` seconds."""
+    for ops, base in ((replicas, _REPLICA_KEYS), (hosts, _HOST_KEYS)):
+        for launcher in ops._launchers if ops is not None else ():
+            with tf.init_scope(), tf.device(launcher._device):
+                counter = tf.Variable(base, dtype=tf.int32, trainable=False, name="key")
+            # our own objects: specialised, TensorFlow's class is not patched
+            launcher.__class__, launcher.counter = _CollectiveLauncher, counter
+            launcher.watch = watch
+
 
 class _Extended(_cars.CollectiveAllReduceExtended):
-    def __init__(self, container, resolver, options, local_devices, density):
+    def __init__(self, container, resolver, options, local_devices, density, watch):
         # None: stock's choice (every GPU, else the CPU); a count of logical CPUs; or names.
         if isinstance(local_devices, int):
             local_devices = [f"/device:CPU:{i}" for i in range(local_devices)]
@@ -80,10 +113,7 @@ class _Extended(_cars.CollectiveAllReduceExtended):
         if getattr(container, "_tfstrat_reused", False):  # a running server: `_reuse`
             self._std_server_started, self._enable_check_health = True, False
         super().__init__(container, cluster_resolver=resolver, communication_options=options)
-        counter = tf.Variable(1 << 30, dtype=tf.int32, trainable=False, name="collective_key")
-        for ops in (self._cross_device_ops, self._host_cross_device_ops):
-            for launcher in ops._launchers:  # our own objects: specialised, TF is not patched
-                launcher.__class__, launcher.counter = _CollectiveLauncher, counter
+        specialise_launchers(self._cross_device_ops, self._host_cross_device_ops, watch)
 
     def _initialize_local_devices(self, cluster_resolver, worker_device):
         names = self._local_device_names
@@ -297,10 +327,10 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
                 "and communication='tcp' (or 'auto' on CPU-only workers)."
             )
         implementation = _common.Impl[self._transport.implementation]
+        # No timeout_seconds: TensorFlow would start a thread per collective op that sleeps
+        # for the whole timeout. The process's watchdog bounds the waits (`_watchdog`).
         options = tf.distribute.experimental.CommunicationOptions(
-            bytes_per_pack=pack_bytes or 0,
-            timeout_seconds=timeout,
-            implementation=implementation,
+            bytes_per_pack=pack_bytes or 0, implementation=implementation
         )
         self.density = DensityPolicy(sparse_as_dense)
         self.tf_config = tf_config
@@ -317,7 +347,9 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
             try:
                 distribute_lib.Strategy.__init__(
                     self,
-                    self._extended_class(self, resolver, options, local, self.density),
+                    self._extended_class(
+                        self, resolver, options, local, self.density, timeout or DEFAULT_TIMEOUT
+                    ),
                 )
             except RuntimeError as e:
                 if "at program startup" not in str(e):
@@ -330,6 +362,7 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
                     f"{type(self).__name__}(...)` (or `tfstrat.auto()`) at the top of the "
                     "script, then the model inside `with strategy.scope():`."
                 ) from e
+            _watchdog.WATCHDOG.configure(_task_name_of(tf_config), _peer_devices(tf_config))
             if not reused and _workers(tf_config) > 1:
                 _agree_on_cluster(tf_config, timeout or DEFAULT_TIMEOUT)
             if tcp:
@@ -445,7 +478,7 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
             rows = ring_.all_gather(padded)
         else:
             gather = lambda t: self.experimental_local_results(  # noqa: E731
-                self.run(lambda: tf.distribute.get_replica_context().all_gather(tf.identity(t), 0))
+                self._traced("all_gather", _all_gather)(t)
             )[0].numpy()
             local = len(self.extended.worker_devices)
             lengths = gather(tf.constant([[len(payload)]], tf.int32))[::local, 0]
@@ -493,9 +526,15 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
         ring_ = self.extended._cross_device_ops.ring
         if ring_ is not None:
             return ring_.all_reduce(values)
-        mine = tf.constant(values)
-        summed = self.reduce(_SUM, self.run(lambda: tf.identity(mine)), axis=None)
-        return summed.numpy()
+        return self._traced("sum", _sum)(tf.constant(values)).numpy()
+
+    def _traced(self, name: str, fn):
+        """`fn(strategy, tensor)` as a function traced once per shape: eager collectives on
+        several devices run op by op, and TensorFlow warns that they are slow."""
+        functions = self.__dict__.setdefault("_tfstrat_functions", {})
+        if name not in functions:
+            functions[name] = tf.function(lambda t: fn(self, t), reduce_retracing=True)
+        return functions[name]
 
     @property
     def num_workers(self) -> int:
@@ -530,6 +569,17 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
             values = local(value)
             return values[0] if len(values) == 1 else tf.reduce_mean(tf.stack(values))
         return super().reduce(op, value, axis)
+
+
+def _all_gather(strategy, t):
+    """Every replica's `t`, concatenated on axis 0 (in a function)."""
+    gather = lambda t: tf.distribute.get_replica_context().all_gather(tf.identity(t), 0)  # noqa: E731
+    return strategy.run(gather, args=(t,))
+
+
+def _sum(strategy, t):
+    """The sum of `t` over every replica (in a function)."""
+    return strategy.reduce(_SUM, strategy.run(tf.identity, args=(t,)), axis=None)
 
 
 def _env_config() -> TFConfig | None:
@@ -581,6 +631,19 @@ def _agree_on_cluster(tf_config: TFConfig, timeout: float) -> None:
         diff = _agreement.first_difference(theirs, mine, named(other), named(me))
         if diff:
             raise AgreementError(f"tfstrat: {diff}")
+
+
+def _peer_devices(tf_config: TFConfig | None) -> list[tuple[str, str]]:
+    """(name, device prefix) of every other chief and worker task: the collectives' peers."""
+    if tf_config is None:
+        return []
+    me = (tf_config.task_type, tf_config.task_index)
+    return [
+        (f"{job}:{i}", f"/job:{job}/replica:0/task:{i}")
+        for job in ("chief", "worker")
+        for i in range(len(tf_config.addresses(job)))
+        if (job, i) != me
+    ]
 
 
 def _task_name_of(tf_config: TFConfig | None) -> str:

@@ -12,8 +12,8 @@ from tfstrat.cluster.devices import local_devices
 from tfstrat.keras import _shuffle
 from tfstrat.reduce.cross_device import SparseAwareAllReduce
 from tfstrat.reduce.sparse import DensityPolicy
-from tfstrat.strategies import _common, transport
-from tfstrat.strategies.collective import _CollectiveLauncher
+from tfstrat.strategies import _common, _watchdog, transport
+from tfstrat.strategies.collective import specialise_launchers
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +66,8 @@ class MirroredNCCL(_common.AdoptsKerasOptimizers, tf.distribute.MirroredStrategy
         self._collective_key_base = 100_000 * MirroredNCCL._instances
         super().__init__(devices=devices)
         extended = self.extended
-        options = tf.distribute.experimental.CommunicationOptions(
-            implementation=implementation, timeout_seconds=timeout
-        )
+        # No timeout_seconds (a thread per collective op): the process's watchdog (`_watchdog`).
+        options = tf.distribute.experimental.CommunicationOptions(implementation=implementation)
         self.density = DensityPolicy(sparse_as_dense)
         # Shares the strategy's collective keys: two key generators for one device group would
         # hand out colliding instance keys.
@@ -79,12 +78,11 @@ class MirroredNCCL(_common.AdoptsKerasOptimizers, tf.distribute.MirroredStrategy
             self.density,
             collective_keys=extended._collective_keys,
         )
-        for i, launcher in enumerate(ops._launchers):
-            # steps_per_execution > 1: instance keys from a counter (see collective._CollectiveLauncher);
-            # one counter per replica, so that every replica draws the same sequence of keys.
-            with tf.device(extended._devices[i]):
-                counter = tf.Variable(1 << 30, dtype=tf.int32, trainable=False, name="key")
-            launcher.__class__, launcher.counter = _CollectiveLauncher, counter
+        # steps_per_execution > 1: instance keys from a counter per replica, so that every
+        # replica draws the same sequence of keys (`collective._CollectiveLauncher`).
+        specialise_launchers(ops, None, timeout)
+        if timeout is not None:
+            _watchdog.WATCHDOG.configure("this process", [])
         extended._cross_device_ops = ops
         extended._collective_ops = ops
         extended._communication_options = options
