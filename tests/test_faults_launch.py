@@ -318,6 +318,34 @@ def test_worker_that_exits_0_mid_run_is_blamed():
 
 
 @pytest.mark.cluster
+@pytest.mark.timeout(START_SLACK + TIMEOUT + 15 + 60)
+@pytest.mark.parametrize("mode", ["sigstop", "late", "exit0"])
+def test_a_faulty_peer_in_tensorflows_collectives_is_named_within_the_timeout(mode):
+    """Two devices per worker and steps_per_execution 2: the step's gradients go over
+    TensorFlow's collectives, which carry no per-op timeout; the process's watchdog ends worker
+    0's wait after `timeout` naming worker 1: stopped (SIGSTOP: its gRPC server does not
+    answer), late (asleep in a callback: it answers but does not join), or gone (exit 0)."""
+    code, out, lines, end = _launch(
+        "faults_launch_peer.py",
+        mode,
+        str(TIMEOUT),
+        "2",
+        workers=2,
+        threads_per_task=1,
+        grace=GRACE,
+    )
+    _assert_blames_worker_1(code, out, lines, end, mode)
+    # A stopped or gone task is noticed by the coordination service's heartbeats or by the
+    # watchdog's probe, whichever comes first; a late one only by the watchdog.
+    said = {
+        "sigstop": ["do not answer (dead, stopped or cut off): worker:1", "stopped sending heart"],
+        "late": ["every peer answers, and worker:1 (/job:worker/replica:0/task:1) did not join"],
+        "exit0": ["do not answer (dead, stopped or cut off): worker:1", "task:1"],
+    }[mode]
+    assert any(s in out for s in said), out[-6000:]
+
+
+@pytest.mark.cluster
 @pytest.mark.timeout(START_SLACK + 180)
 def test_async_worker_that_exits_0_early_is_reported_and_the_run_still_succeeds(tmp_path):
     report = "tfstrat launch: worker:1 exited 0 while worker:0 still runs."

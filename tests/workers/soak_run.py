@@ -2,16 +2,17 @@
 trains a small Embedding + Dense model for many steps and samples this process's threads,
 open files, resident memory and step time as it goes.
 
-Usage: python soak_run.py OUT_DIR KIND --steps N [--spe K] [--devices D] [--every S]
+Usage: python soak_run.py OUT_DIR KIND --steps N [--spe K[,K...]] [--devices D] [--every S]
        [--max-threads G] [--timeout T]
 
 KIND: car (CollectiveAllReduce; `--communication ring` for TensorFlow's ring with one device),
 hybrid (with or without ps tasks), localsgd, ps (ParameterServer sync), mirrored (MirroredNCCL
 over D logical CPUs, one process), model-parallel (ModelParallel on a (1, D) mesh, one process).
 
-Every S steps (at a batch end) a sample [step, threads, open files, RSS KiB, seconds since the
-first sample, traces of train_step] is taken. Growth is measured from the first sample after
-`--warmup` steps. When the threads grew by more than G, training is asked to stop (every
+Each K of `--spe` is a phase: the model compiled with steps_per_execution K, then N steps of
+`fit`. Every S steps (at a batch end) a sample {step, threads, open files, RSS KiB, time, traces
+of train_step} is taken. Growth is measured from the phase's first sample after `--warmup`
+steps. When the threads grew by more than G, training is asked to stop (every
 worker stops after the same step) and the run is marked `stopped`: a leaking build ends in
 seconds instead of exhausting the machine. Writes OUT_DIR/<task>.json.
 """
@@ -25,7 +26,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("out")
 parser.add_argument("kind")
 parser.add_argument("--steps", type=int, required=True)
-parser.add_argument("--spe", type=int, default=1)
+parser.add_argument("--spe", default="1", help="steps_per_execution, or a list: 1,4 (a phase each)")
 parser.add_argument("--devices", type=int, default=1)
 parser.add_argument("--every", type=int, default=40)
 parser.add_argument("--warmup", type=int, default=100)
@@ -53,7 +54,8 @@ elif kind == "localsgd":
 elif kind == "ps":
     strategy = tfstrat.ParameterServer(mode="sync", timeout=args.timeout)
 elif kind == "mirrored":
-    strategy = tfstrat.MirroredNCCL([f"/cpu:{i}" for i in range(max(args.devices, 2))])
+    cpus = [f"/cpu:{i}" for i in range(max(args.devices, 2))]
+    strategy = tfstrat.MirroredNCCL(cpus, timeout=args.timeout)
 elif kind == "model-parallel":
     mesh = tfstrat.DeviceMesh((1, max(args.devices, 2)), ["batch", "model"])
     layout = tfstrat.LayoutMap(mesh)
@@ -100,12 +102,22 @@ def thread_names() -> dict:
 
 
 class Sampler(keras.callbacks.Callback):
-    def __init__(self):
+    """Samples every `--every` steps; asks to stop when the threads grew past the bound."""
+
+    def __init__(self, spe):
         super().__init__()
-        self.samples, self.base, self.stopped, self.step, self.next = [], None, False, 0, 0
+        self.spe, self.samples, self.base, self.stopped = spe, [], None, False
+        self.step, self.epoch_start, self.next, self.first_epoch_traces = 0, 0, 0, None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch_start = self.step
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.first_epoch_traces is None:
+            self.first_epoch_traces = TRACES[0]
 
     def on_train_batch_end(self, batch, logs=None):
-        self.step += args.spe
+        self.step = self.epoch_start + batch + 1  # Keras passes an execution's last step
         if self.step < self.next:
             return
         self.next = self.step + args.every
@@ -126,38 +138,55 @@ with strategy.scope():
     h = keras.layers.GlobalAveragePooling1D()(h)
     h = keras.layers.Dense(16, activation="relu", name="dense_a")(h)
     model = Counted(inputs, keras.layers.Dense(4, name="dense_b")(h))
-    model.compile(
-        optimizer=keras.optimizers.SGD(0.05),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        steps_per_execution=args.spe,
-    )
-sampler = Sampler()
 before = sample()
-per_epoch = args.rows // args.batch
-epochs = -(-args.steps // per_epoch)
-started = time.monotonic()
-model.fit(
-    x, y, batch_size=args.batch, epochs=epochs, shuffle=False, verbose=0, callbacks=[sampler]
-)
-took = time.monotonic() - started
+phases = []
+for spe in [int(k) for k in args.spe.split(",")]:
+    with strategy.scope():
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.05),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            steps_per_execution=spe,
+        )
+    sampler = Sampler(spe)
+    per_epoch = args.rows // args.batch
+    started = time.monotonic()
+    model.fit(
+        x,
+        y,
+        batch_size=args.batch,
+        epochs=-(-args.steps // per_epoch),
+        shuffle=False,
+        verbose=0,
+        callbacks=[sampler],
+    )
+    took = time.monotonic() - started
+    phases.append(
+        {
+            "spe": spe,
+            "steps": sampler.step,
+            "seconds": took,
+            "base": sampler.base,
+            "samples": sampler.samples,
+            "stopped": sampler.stopped,
+            "first_epoch_traces": sampler.first_epoch_traces,
+            "traces": TRACES[0],
+        }
+    )
+    print(
+        f"{task}: spe {spe}: {sampler.step} steps in {took:.1f} s, threads "
+        f"{sampler.samples[0]['threads']} -> {sample()['threads']}, stopped={sampler.stopped}",
+        flush=True,
+    )
 os.makedirs(args.out, exist_ok=True)
 result = {
     "task": task,
     "kind": kind,
-    "spe": args.spe,
     "devices": args.devices,
-    "steps": sampler.step,
-    "seconds": took,
     "before": before,
     "after": sample(),
-    "base": sampler.base,
-    "samples": sampler.samples,
-    "stopped": sampler.stopped,
-    "traces": TRACES[0],
+    "phases": phases,
     "thread_names": thread_names(),
     "loss": float(np.asarray(model.evaluate(x, y, batch_size=args.batch, verbose=0))),
 }
 with open(os.path.join(args.out, task.replace(":", "_") + ".json"), "w") as f:
     json.dump(result, f)
-print(f"{task}: {sampler.step} steps in {took:.1f} s, threads {before['threads']} -> "
-      f"{result['after']['threads']}, stopped={sampler.stopped}", flush=True)

@@ -1,40 +1,43 @@
-"""Keras's dataset iterators are destroyed on a thread of their own, not the training thread.
+"""Keras's dataset iterators are destroyed on threads of their own, not the training thread.
 
 A `tf.data` iterator's resources are destroyed when the last reference to their handles goes,
 and the destructor waits for the pipeline's autotuning thread, which TensorFlow 2.19-2.21 does
-not wake: it sleeps out its optimization period, which doubles up to a minute. Keras makes a
-new iterator every epoch and drops the last one as the next epoch's first batch is taken (and
-the last of all as `fit` returns), on the training thread. Measured with two devices in one
-process (an iterator holds a pipeline per device), an epoch then started 5, 10, 20 or 36 s late,
-with `tf.distribute.MirroredStrategy` as with tfstrat's strategies: half of a short epoch's
-time.
+not wake: it sleeps out its optimization period, which doubles (up to a minute) for as long as
+the pipeline lives. Keras makes a new iterator every epoch and drops the last one as the next
+epoch's first batch is taken (and the last of all as `fit` returns), on the training thread.
+Measured with two devices in one process (an iterator holds a pipeline per device), an epoch
+then started 5, 10, 20 or 36 s late, with `tf.distribute.MirroredStrategy` as with tfstrat's
+strategies: half of a short epoch's time.
 
 `when_dropped(iterator)` gives an iterator a finalizer that holds its resource handles (the
 eager tensors of dtype resource it and its nested iterators hold): when the iterator goes, the
-finalizer hands them to a daemon thread, which drops them once nothing else holds them, so the
-wait happens there. At exit the process waits (up to `_EXIT_WAIT_S`) for the thread to finish
-what it was handed, as it would have waited on the training thread: a daemon thread still in
-TensorFlow's destructor while Python shuts down could abort the process. Iterators dropped
-after that are destroyed where they are dropped.
+finalizer hands them to a daemon thread of their own, which drops them once nothing else holds
+them, so the wait happens there. One thread per iterator, not one queue: an iterator waiting
+in a queue behind another's destructor keeps its pipeline (and its threads) alive and its
+period doubling, so with epochs shorter than the waits (measured: 1.2 s epochs, two devices
+per worker) the queue, the waits and the process's threads grew without end. Each thread lives
+as long as one destructor (about an epoch). At exit the process waits (up to `_EXIT_WAIT_S`)
+for the threads to finish, as it would have waited on the training thread: a daemon thread
+still in TensorFlow's destructor while Python shuts down could abort the process. Iterators
+dropped after that are destroyed where they are dropped.
 """
 
 from __future__ import annotations
 
 import atexit
-import queue
 import sys
 import threading
 import time
 import weakref
 
+THREAD_NAME = "tfstrat-iterator-release"
 _DEPTH = 6  # DistributedIterator -> per-worker -> multi-device -> per-device iterators
 _PATIENCE_S = 5.0  # how long the thread waits for the iterator's own references to go
 _EXIT_WAIT_S = 60.0  # TensorFlow's longest autotuning period
 
-_handles: queue.SimpleQueue = queue.SimpleQueue()
-_thread: threading.Thread | None = None
 _state = threading.Condition()
 _pending = 0  # handed over and not yet dropped
+_registered = False  # the exit wait
 _closing = False  # at exit: nothing more is handed over
 
 
@@ -69,7 +72,7 @@ def handles(iterator) -> list:
 
 
 def when_dropped(iterator) -> bool:
-    """Arranges for `iterator`'s resources to be destroyed on the release thread when it goes
+    """Arranges for `iterator`'s resources to be destroyed on a release thread when it goes
     (once: again changes nothing); False when it holds no handle or cannot be weakly
     referenced (nothing changes then)."""
     if iterator is None or getattr(iterator, "_tfstrat_release", False):
@@ -86,16 +89,16 @@ def when_dropped(iterator) -> bool:
 
 
 def _hand_over(held: list) -> None:
-    global _thread, _pending
+    global _pending, _registered
     with _state:
         if _closing:
             return  # dropped here, as without tfstrat
-        if _thread is None:
-            _thread = threading.Thread(target=_run, name="tfstrat-iterator-release", daemon=True)
-            _thread.start()
+        if not _registered:
             atexit.register(_finish)
+            _registered = True
         _pending += 1
-    _handles.put(held)
+    # In a box the thread empties: its own arguments would hold the list until it ends.
+    threading.Thread(target=_drop, args=([held],), name=THREAD_NAME, daemon=True).start()
 
 
 def _finish() -> None:
@@ -117,16 +120,15 @@ def _others(held: list) -> int:
     return max(sys.getrefcount(h) - 3 for h in held)
 
 
-def _run() -> None:
+def _drop(box: list) -> None:
     global _pending
-    while True:
-        held = _handles.get()
-        # The finalizer runs as the iterator is deallocated, before its attributes go: wait
-        # (briefly) until the handles are held here alone, so the last reference is this one.
-        deadline = time.monotonic() + _PATIENCE_S
-        while _others(held) > 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        del held
-        with _state:
-            _pending -= 1
-            _state.notify_all()
+    held = box.pop()
+    # The finalizer runs as the iterator is deallocated, before its attributes go: wait
+    # (briefly) until the handles are held here alone, so the last reference is this one.
+    deadline = time.monotonic() + _PATIENCE_S
+    while _others(held) > 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    del held
+    with _state:
+        _pending -= 1
+        _state.notify_all()
