@@ -55,7 +55,9 @@ def _weights(npz, name):
 def _check_against_reference(tmp_path, workers, *args):
     code, out = launch_script("collective_equiv.py", str(tmp_path), *args, workers=workers)
     assert code == 0, out[-6000:]
-    ref = _reference(tmp_path, *args)
+    # The reference is one device whatever the workers' devices are.
+    at = args.index("--devices") if "--devices" in args else len(args)
+    ref = _reference(tmp_path, *args[:at], *args[at + 2 :])
     results = [np.load(tmp_path / f"worker_{i}.npz") for i in range(workers)]
     for i, r in enumerate(results):  # tf.data, steps_per_execution=3
         errs = relative_errors(_weights(r, "dataset"), _weights(ref, "dataset"))
@@ -106,6 +108,17 @@ def test_two_workers_equal_single_device(tmp_path):
         # steps, and before each of the 4 models' first step the workers' agreement on it (2
         # gathers each).
         assert int(gathers.sum()) == steps + 10 + 2 * 4, gathers
+
+
+def test_workers_of_two_devices_equal_single_device_with_steps_per_execution(tmp_path):
+    """Two logical CPUs per worker: the step's collectives are TensorFlow's (no per-op timeout:
+    the process's watchdog bounds them), with steps_per_execution 1 (NumPy input) and 3 (the
+    tf.data input), where each replica draws its own instance keys inside Keras's loop (one
+    counter shared by a worker's replicas gave the members of one collective different keys,
+    and they waited for each other forever)."""
+    out = _check_against_reference(tmp_path, 2, "--devices", "2")
+    assert "4 replica(s) in sync" in out and "tcp ring" not in out
+    assert "Using CollectiveAllReduce eagerly" not in out  # no eager collective on 2 devices
 
 
 def test_three_workers_equal_single_device(tmp_path):

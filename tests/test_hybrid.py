@@ -71,12 +71,14 @@ def test_two_workers_equal_single_device(reference, tmp_path, ps):
 
 
 @pytest.mark.cluster
-def test_workers_of_two_devices_fetch_and_push_once_per_table_per_step(reference, tmp_path):
+@pytest.mark.parametrize("spe", [1, 3])
+def test_workers_of_two_devices_fetch_and_push_once_per_table_per_step(reference, tmp_path, spe):
     """Two workers of two replicas each (logical CPUs), 1 ps: equal to one device, and each
     worker fetches a table's rows in one call and pushes them in one per step, whatever its
-    replica count (on GPUs a worker's replicas are its GPUs)."""
+    replica count (on GPUs a worker's replicas are its GPUs); with steps_per_execution 3 too
+    (the replicas' collectives inside Keras's loop: each replica draws its own instance keys)."""
     _copy_init(reference, tmp_path)
-    args = ("hybrid_equiv.py", str(tmp_path), "--partitions=2", "--devices=2")
+    args = ("hybrid_equiv.py", str(tmp_path), "--partitions=2", "--devices=2", f"--spe={spe}")
     code, log = launch_script(*args, workers=2, ps=1)
     assert code == 0, log[-6000:]
     _check(tmp_path, reference)

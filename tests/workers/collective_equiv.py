@@ -1,6 +1,7 @@
 """One worker of a CollectiveAllReduce cluster test (run by `tfstrat launch`), or the reference.
 
 Usage: python collective_equiv.py OUT_DIR [--reference] [--global-batch B] [--examples N]
+       [--devices D]
 
 Trains the shared model with SGD+momentum and with Adam on the same global batches, evaluates
 and predicts, and writes OUT_DIR/<task>.npz (weights, iterations, evaluate logs, predictions).
@@ -20,15 +21,20 @@ parser.add_argument("--global-batch", type=int, default=24)
 parser.add_argument("--examples", type=int, default=24 * 21)
 parser.add_argument("--clip", default=None, help="KIND=VALUE, e.g. global_clipnorm=0.1")
 parser.add_argument("--communication", default="auto", help="CollectiveAllReduce's")
+parser.add_argument("--devices", type=int, default=0, help="logical CPUs (replicas) per worker")
 args = parser.parse_args()
 
 import tfstrat  # noqa: E402
 
 # Created before any other TensorFlow op: collectives are configured at program start.
+if args.devices and not args.reference:
+    tfstrat.split_cpu(args.devices)
 strategy = (
     None
     if args.reference
-    else tfstrat.CollectiveAllReduce(timeout=60, communication=args.communication)
+    else tfstrat.CollectiveAllReduce(
+        timeout=60, communication=args.communication, devices=args.devices or None
+    )
 )
 # Every exchange of the TCP ring: the size summed (-1: none) and the blocks gathered
 # (wrapped before any step is traced, which captures it).

@@ -27,6 +27,7 @@ parser.add_argument("--steps-only", type=int, default=0, help="train this many s
 parser.add_argument("--vocab-scale", type=int, default=1)
 parser.add_argument("--load", nargs="*", default=[], help="reference: dump these .weights.h5")
 parser.add_argument("--devices", type=int, default=0, help="logical CPUs (replicas) per worker")
+parser.add_argument("--spe", type=int, default=1, help="steps_per_execution of the workers' fit")
 args = parser.parse_args()
 
 import tfstrat  # noqa: E402
@@ -71,7 +72,11 @@ task = os.environ.get("TFSTRAT_TASK", "reference").replace(":", "_")
 report, arrays = {}, {}
 for name in ("sgd",) if args.steps_only else ("sgd", "adagrad"):
     with scope():
-        model = compile_model(build(stock=args.reference), optimizer(name, densify=args.reference))
+        model = compile_model(
+            build(stock=args.reference),
+            optimizer(name, densify=args.reference),
+            steps_per_execution=1 if args.reference else args.spe,
+        )
     if args.reference:
         model.save_weights(init)
     elif not args.steps_only:
