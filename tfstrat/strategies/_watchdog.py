@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import inspect
 import itertools
 import logging
 import threading
@@ -37,6 +38,7 @@ import tensorflow as tf
 
 from tfstrat._compat import patches
 from tfstrat._compat.tf import concrete_function, context
+from tfstrat.errors import VersionError
 
 logger = logging.getLogger(__name__)
 
@@ -207,6 +209,13 @@ def _install() -> None:
     if patches.is_patched(owner, "_call_flat"):
         return
     original = owner._call_flat
+    if list(inspect.signature(original).parameters) != ["self", "tensor_inputs", "captured_inputs"]:
+        raise VersionError(
+            f"tfstrat: TensorFlow {tf.__version__}'s ConcreteFunction._call_flat has the "
+            f"signature {inspect.signature(original)}, not (self, tensor_inputs, "
+            "captured_inputs) as in TF 2.19-2.21: tfstrat's collectives watchdog cannot time "
+            "function calls there. Use a tested TensorFlow release (`tfstrat doctor` lists them)."
+        )
 
     def _call_flat(self, tensor_inputs, captured_inputs):
         timeout = getattr(self._func_graph, "_tfstrat_watch", None)

@@ -1,0 +1,46 @@
+"""Long runs of tests/workers/soak_run.py on each transport path, for tests/test_soak.py and
+benchmarks/soak/transports.py: `run` trains a path and returns every task's report, `growth` says
+how much a sampled series grew."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+from cluster import launch_script, run_script
+
+# path -> (kind, devices per worker, steps_per_execution phases, ps tasks, workers; 0: one
+# process)
+PATHS = {
+    "tcp-ring": ("car", 1, "1,4", 0, 2),
+    "tensorflow-ring": ("car", 2, "1,4", 0, 2),
+    "hybrid-ps": ("hybrid", 1, "1,4", 1, 2),
+    "localsgd": ("localsgd", 1, "4", 0, 2),
+    "ps-rpc": ("ps", 1, "4", 1, 2),
+    "mirrored": ("mirrored", 2, "1,4", 0, 0),
+    "model-parallel": ("model-parallel", 2, "4", 0, 0),
+}
+
+
+def run(path: str, out, steps: int, every: int, stop_at: int) -> list[dict]:
+    """Trains `path` for `steps` steps per phase, sampling every `every` steps, stopping a
+    phase whose threads grew by more than `stop_at`; every task's report."""
+    kind, devices, spe, ps, workers = PATHS[path]
+    args = ["soak_run.py", str(out), kind, "--steps", str(steps), "--spe", spe]
+    args += ["--devices", str(devices), "--every", str(every), "--max-threads", str(stop_at)]
+    if workers:
+        code, log = launch_script(*args, workers=workers, ps=ps)
+        assert code == 0, log[-6000:]
+    else:
+        run_script(*args)
+    reports = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
+    assert len(reports) == (workers or 1), [p.name for p in out.iterdir()]
+    return reports
+
+
+def growth(samples: list[dict], key: str, warmup: int) -> float:
+    """Median of the last quarter of `samples` (after `warmup` steps) minus the first's."""
+    after = [s[key] for s in samples if s["step"] >= warmup]
+    assert len(after) >= 8, f"too few samples after warm-up: {len(after)}"
+    quarter = len(after) // 4
+    return statistics.median(after[-quarter:]) - statistics.median(after[:quarter])
