@@ -60,11 +60,22 @@ def test_ps_tasks_get_none_and_counts_that_do_not_split_are_refused():
         LaunchConfig(["true"], workers=3, gpus=["0", "1"])
 
 
-def test_found_gpus_that_do_not_split_are_left_unbound_and_none_hides_them_all():
-    found = {"CUDA_VISIBLE_DEVICES": "0"}  # one GPU, two workers: CPU training on a GPU host
-    binding, note = gpus.plan(W[:2], ["ps:0"], environ=found)
-    assert binding == {} and "1 GPU(s) (0) do not split evenly among 2" in note
-    assert "--gpus none hides them" in note
+def test_found_gpus_that_do_not_split_go_evenly_fewer_are_refused_and_none_hides_them(
+    monkeypatch,
+):
+    """Never every task on every card: three found GPUs for two workers bind one each (the
+    third unused, said); one GPU for two workers is refused naming the fix (the two processes
+    would share the card: memory taken twice, NCCL's "Duplicate GPU detected")."""
+    three = {"CUDA_VISIBLE_DEVICES": "0,1,2"}
+    binding, note = gpus.plan(W[:2], ["ps:0"], environ=three)
+    assert binding == {"worker:0": "0", "worker:1": "1", "ps:0": ""}
+    assert note.startswith("tfstrat launch: GPUs (CUDA_VISIBLE_DEVICES): worker:0 GPU 0, ")
+    assert "3 GPU(s) do not split evenly among 2 training task(s): 1 each, 2 unused" in note
+    found = {"CUDA_VISIBLE_DEVICES": "0"}  # one GPU, two workers
+    with pytest.raises(ValueError, match=r"2 training task\(s\) on this machine, which has 1 GPU"):
+        gpus.plan(W[:2], ["ps:0"], environ=found)
+    with pytest.raises(ValueError, match="or pass --gpus none to train on the CPUs"):
+        gpus.plan(W[:2], [], environ=found)
     with pytest.raises(ValueError, match="gpus_per_task=1 for 2 training task"):  # named: refused
         gpus.plan(W[:2], [], per_task=1, environ=found)
     for hidden in ([], ["none"]):
@@ -76,6 +87,9 @@ def test_found_gpus_that_do_not_split_are_left_unbound_and_none_hides_them_all()
         {"worker:0": "3", "worker:1": "4"},
         None,
     )
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    with pytest.raises(ValueError, match="which has 1 GPU"):  # refused before any start
+        LaunchConfig(["true"], workers=2)
 
 
 def test_the_gpus_to_hand_out_come_from_the_flag_then_cuda_visible_devices():

@@ -118,8 +118,9 @@ class LaunchConfig:
         gpus: the GPUs to hand out ("0", "1", ... or UUIDs; [] or ["none"]: hide every GPU
             from every task); None: this launcher's CUDA_VISIBLE_DEVICES, else every GPU the
             NVIDIA driver lists. Each chief and worker task this launcher starts gets its own
-            (`tfstrat.launcher.gpus`), ps tasks none; no GPU found, or found ones that do not
-            split evenly: tasks see what the launcher sees (said in a line).
+            (`tfstrat.launcher.gpus`), ps tasks none; no GPU found: tasks see what the
+            launcher sees; found ones that do not split evenly: as many to each as go evenly
+            (said in a line), refused when there are fewer than training tasks.
         gpus_per_task: GPUs per chief and worker task; None: all of them split evenly.
     """
 

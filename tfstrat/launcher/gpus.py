@@ -13,8 +13,10 @@ when set, else the NVIDIA driver's list (`/proc/driver/nvidia/gpus`); none found
 set and every task sees what the launcher sees. A task's GPUs are listed as the launcher knows
 them (the indices or UUIDs of its `CUDA_VISIBLE_DEVICES`), so inside a restricted launcher they
 stay inside its set. GPUs found (not named) that do not split evenly among the training tasks
-are not bound, with a line that says so; named ones (`--gpus`, `--gpus-per-task`) that do not
-split are refused.
+are bound as many to each as go evenly, the rest unused, with a line that says so; fewer found
+than training tasks are refused (two tasks on one card are never right: each TensorFlow
+process takes most of its memory, and NCCL refuses two ranks on one GPU); named ones
+(`--gpus`, `--gpus-per-task`) that do not split are refused.
 """
 
 from __future__ import annotations
@@ -125,14 +127,24 @@ def plan(
     found = available(gpus, environ)
     if gpus is not None or per_task is not None:
         return bind(trainers, found, per_task, others), None
-    try:
+    if not found or not trainers or len(found) % len(trainers) == 0:
         return bind(trainers, found, None, others), None
-    except UsageError:
-        return {}, (
-            f"tfstrat launch: {len(found)} GPU(s) ({','.join(found)}) do not split evenly among "
-            f"{len(trainers)} training task(s): every task sees all of them (--gpus-per-task N "
-            "or --gpus LIST gives each its own; --gpus none hides them)"
+    if len(found) < len(trainers):
+        raise UsageError(
+            f"Received: {len(trainers)} training task(s) on this machine, which has "
+            f"{len(found)} GPU(s) ({','.join(found)}): each task needs GPUs of its own (two "
+            "processes on one card: each TensorFlow process takes most of its memory, and "
+            "NCCL refuses two ranks on one GPU). Start at most "
+            f"{len(found)} training task(s) here, or pass --gpus none to train on the CPUs."
         )
+    each = len(found) // len(trainers)
+    binding = bind(trainers, found, each, others)
+    unused = found[each * len(trainers) :]
+    return binding, (
+        f"{describe(binding)}; {len(found)} GPU(s) do not split evenly among "
+        f"{len(trainers)} training task(s): {each} each, {','.join(unused)} unused "
+        "(--gpus-per-task N or --gpus LIST chooses)"
+    )
 
 
 def describe(binding: Mapping[str, str]) -> str:

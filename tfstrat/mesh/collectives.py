@@ -114,14 +114,46 @@ def over_model_groups(parts: list, mesh: Mesh, all_sum, group_of=None) -> list:
     return out
 
 
-def _nccl_sum(x):
-    """The sum over each model group, one NCCL all-reduce per group."""
+# The dtypes `NcclAllReduce` has kernels for (its op definition, TF 2.19-2.21).
+NCCL_DTYPES = frozenset({tf.float16, tf.float32, tf.float64, tf.int32, tf.int64})
+
+
+def nccl_dtype(dtype) -> tf.DType | None:
+    """The dtype a tensor of `dtype` crosses NCCL in: its own when NCCL has a kernel for it,
+    float32 for other floating dtypes (bfloat16 under `mixed_bfloat16`: exact, as bfloat16
+    is float32 with fewer mantissa bits; the sum is rounded back once), None otherwise."""
+    dtype = tf.as_dtype(dtype)
+    if dtype in NCCL_DTYPES:
+        return dtype
+    return tf.float32 if dtype.is_floating else None
+
+
+def nccl_all_sum(parts: list) -> list:
+    """`nccl_ops.all_sum` of `parts` (one per device), cast to `nccl_dtype` and back."""
     from tfstrat._compat.tf import nccl_ops
 
+    dtype = tf.as_dtype(parts[0].dtype)
+    wire = nccl_dtype(dtype)
+    if wire is None:
+        raise TypeError(f"NCCL cannot sum {dtype.name} tensors (only {sorted(d.name for d in NCCL_DTYPES)})")
+    if wire == dtype:
+        return nccl_ops.all_sum(parts)
+    cast = lambda t, to: tf.cast(t, to) if not t.device else _on(t.device, tf.cast, t, to)  # noqa: E731
+    sums = nccl_ops.all_sum([cast(p, wire) for p in parts])  # each on its part's device
+    return [cast(t, dtype) for t in sums]
+
+
+def _on(device: str, fn, *args):
+    with tf.device(device):
+        return fn(*args)
+
+
+def _nccl_sum(x):
+    """The sum over each model group, one NCCL all-reduce per group."""
     mesh = _mesh()
 
     def merge(strategy, value):
-        return tf_values.PerReplica(over_model_groups(list(value.values), mesh, nccl_ops.all_sum))
+        return tf_values.PerReplica(over_model_groups(list(value.values), mesh, nccl_all_sum))
 
     return tf.distribute.get_replica_context().merge_call(merge, args=(x,))
 
@@ -293,12 +325,10 @@ def _data_exchange() -> str:
 
 def _nccl_data_sum(x):
     """The sum over each data group, one NCCL all-reduce per group."""
-    from tfstrat._compat.tf import nccl_ops
-
     mesh = _mesh()
 
     def merge(strategy, value):
-        sums = over_model_groups(list(value.values), mesh, nccl_ops.all_sum, mesh.data_group)
+        sums = over_model_groups(list(value.values), mesh, nccl_all_sum, mesh.data_group)
         return tf_values.PerReplica(sums)
 
     return tf.distribute.get_replica_context().merge_call(merge, args=(x,))
@@ -397,8 +427,6 @@ class DataAxisReduce(tf.distribute.CrossDeviceOps):
 
     def _nccl_sums(self, reduce_op, value):
         """Each device its data group's sum, one NCCL all-reduce per group (one process)."""
-        from tfstrat._compat.tf import nccl_ops
-
         parts, mesh = self._parts(value), self.mesh
         n = mesh.data_size
         if n > 1:
@@ -406,7 +434,7 @@ class DataAxisReduce(tf.distribute.CrossDeviceOps):
         out: list = [None] * len(parts)
         for m in sorted({mesh.model_index(r) for r in mesh.local}):
             members = [k for k, r in enumerate(mesh.local) if mesh.model_index(r) == m]
-            for k, total in zip(members, nccl_ops.all_sum([parts[k] for k in members])):
+            for k, total in zip(members, nccl_all_sum([parts[k] for k in members])):
                 mean = reduce_op == tf.distribute.ReduceOp.MEAN
                 out[k] = _scale(total, n) if mean else total
         return tf_values.PerReplica(out)
@@ -414,7 +442,7 @@ class DataAxisReduce(tf.distribute.CrossDeviceOps):
     def _reduce(self, reduce_op, value, destinations):
         if self._to_every_device(destinations):
             parts = self._parts(value)
-            floats = all(  # NCCL's kind of value: dense, floating point
+            floats = all(  # NCCL's kind of value: dense, floating point (`nccl_dtype`)
                 not isinstance(p, tf.IndexedSlices) and tf.as_dtype(p.dtype).is_floating
                 for p in parts
             )

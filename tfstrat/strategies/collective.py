@@ -262,7 +262,10 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
         pack_bytes: split dense gradients into packs of about this many bytes (overlaps
             communication with the backward pass); None sends them in one pack.
         sparse_as_dense: "auto", a fraction in (0, 1], True or False (`DensityPolicy`).
-        timeout: seconds a collective may wait for a peer before failing with an error.
+        timeout: seconds a step (or a collective outside one) may wait for a peer before
+            failing with an error naming it: tfstrat's ring by its sockets' deadlines,
+            TensorFlow's collectives by the process's watchdog thread (no per-op timeout,
+            which would start a thread per op: `tfstrat.strategies._watchdog`).
         compression: None (exact), "fp16", "bf16", "powersgd" or `tfstrat.PowerSGD(rank=...)`:
             the step's dense gradients travel compressed between the workers, for slow links
             (`tfstrat.reduce.compression`). Lossy: training no longer equals one device's.

@@ -31,7 +31,9 @@ class MirroredNCCL(_common.AdoptsKerasOptimizers, tf.distribute.MirroredStrategy
             first with `tfstrat.split_cpu(n)`).
         communication: "auto", "nccl" (GPUs only) or "ring".
         sparse_as_dense: "auto", a fraction in (0, 1], True or False (see `DensityPolicy`).
-        timeout: seconds any collective may wait before failing, or None.
+        timeout: seconds a step's collectives may wait before failing, or None (wait for
+            ever: the devices are this process's own). Bounded by the process's watchdog
+            thread, not a thread per op (`tfstrat.strategies._watchdog`).
 
     Raises:
         ValueError: `communication="nccl"` where NCCL cannot run, or an unknown option.
