@@ -108,7 +108,8 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
         if dense and not (by_ring and lossy):  # compressed: `_ring_exchange` records it
             # A tensor of unknown static size counts 0: a lower bound, never a crash.
             nbytes = sum((t.shape.num_elements() or 0) * t.dtype.size for t in dense)
-            self._record(replica_id, "all_reduce", [tuple(t.shape) for t in dense], nbytes)
+            shapes = [tuple(t.shape) if t.shape.rank is not None else None for t in dense]
+            self._record(replica_id, "all_reduce", shapes, nbytes)
         packed = {i: n for i, n in rows.items() if self.ring is not None and packable(flat[i])}
         if by_ring or packed:
             summed, gathered = self._ring_exchange(
