@@ -1,8 +1,9 @@
 """Every change tfstrat makes to a class or module of Keras goes through `patch`: one list of
-what is changed and why (`installed()`), one way back (`remove`, `remove_all`). So does the
-one change to TensorFlow: `ConcreteFunction._call_flat`, where the collectives' watchdog
+what is changed and why (`installed()`), one way back (`remove`, `remove_all`). So do the
+two changes to TensorFlow: `ConcreteFunction._call_flat`, where the collectives' watchdog
 times the eager calls of functions that run tfstrat's collectives
-(`tfstrat.strategies._watchdog`).
+(`tfstrat.strategies._watchdog`), and `input_lib._calculate_replicas_with_values`, skipped for
+input every worker slices alike (`tfstrat.strategies.collective._same_batches`).
 
 tfstrat patches only what Keras offers no hook for (the loss scaling per replica, the fit
 loop's epoch hooks, the savers, the trainer's step functions); each patch's `why` says what.

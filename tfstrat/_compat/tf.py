@@ -7,6 +7,9 @@ What each is for:
   cross-device reduction, per-replica values, distributed input, the Strategy base).
 - `mirrored_strategy`: MirroredStrategy's extended object, which ModelParallel's creates each
   device's part of a sharded variable through.
+- `input_lib`: distributed iterators; its `_calculate_replicas_with_values` (the per-step
+  "does any worker still have data" all-reduce) is skipped for input every worker slices
+  alike (`collective._same_batches`).
 - `concrete_function`: the class every eager `tf.function` call goes through (`_call_flat`),
   where the collectives' watchdog times calls (`tfstrat.strategies._watchdog`).
 - `context`: the eager context (is the runtime up; the coordination service's key-value store).
@@ -24,6 +27,7 @@ from tensorflow.python.distribute import (  # noqa: F401
     cross_device_ops,
     cross_device_utils,
     distribute_lib,
+    input_lib,
     input_util,
     mirrored_strategy,
     one_device_strategy,

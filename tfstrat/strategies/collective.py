@@ -19,8 +19,16 @@ from collections.abc import Sequence
 import numpy as np
 import tensorflow as tf
 
+from tfstrat._compat import patches
 from tfstrat._compat.tf import collective_all_reduce_strategy as _cars
-from tfstrat._compat.tf import context, cross_device_utils, distribute_lib, input_util, nest
+from tfstrat._compat.tf import (
+    context,
+    cross_device_utils,
+    distribute_lib,
+    input_lib,
+    input_util,
+    nest,
+)
 from tfstrat._compat.tf import values as _values
 from tfstrat.cluster import TFConfig
 from tfstrat.cluster import ports as _ports
@@ -190,10 +198,13 @@ class _Extended(_cars.CollectiveAllReduceExtended):
         sliced = dataset.map(take).with_options(data_options)
         saved = self.experimental_enable_get_next_as_optional
         self.experimental_enable_get_next_as_optional = False
+        workers_ = self._input_workers_with_options(options)
+        workers_._tfstrat_same_batches = True  # kept by its iterators' specs (`_same_batches`)
+        _same_batches()
         try:  # num_replicas_in_sync=None: no rebatch
             return input_util.get_distributed_dataset(
                 sliced,
-                self._input_workers_with_options(options),
+                workers_,
                 self._container_strategy(),
                 num_replicas_in_sync=None,
                 input_context=self._make_input_context(),
@@ -224,6 +235,32 @@ class _Extended(_cars.CollectiveAllReduceExtended):
                 lambda v: self._reduce_to(reduce_op, v, destinations, options), value
             )
         return super()._reduce_to(reduce_op, value, destinations, options)
+
+
+def _same_batches() -> None:
+    """`get_next_as_optional` (Keras's loop of `steps_per_execution` > 1 calls it every step)
+    asks every worker whether any still has data, in a TensorFlow all-reduce per step. Input
+    that every worker slices from the same global batches (`_Extended._distribute`) runs out on
+    every worker at once: for it, the count is this worker's own (no collective)."""
+    if patches.is_patched(input_lib, "_calculate_replicas_with_values"):
+        return
+    everyone = input_lib._calculate_replicas_with_values
+
+    def _calculate_replicas_with_values(strategy, input_workers, optional_list):
+        if not getattr(input_workers, "_tfstrat_same_batches", False):
+            return everyone(strategy, input_workers, optional_list)
+        counts = []
+        for worker, optionals in zip(input_workers.worker_devices, optional_list):
+            with tf.device(worker):
+                counts += [tf.cast(v.has_value(), tf.int64) for v in optionals]
+        return tf.reduce_sum(counts)
+
+    patches.patch(
+        input_lib,
+        "_calculate_replicas_with_values",
+        _calculate_replicas_with_values,
+        "input every worker slices alike runs out everywhere at once: no all-reduce a step",
+    )
 
 
 _logged: set[str] = set()
