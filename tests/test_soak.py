@@ -9,9 +9,9 @@ tests/helpers/soak.py), which samples /proc/self every few steps and asks traini
 once the threads grew by more than 200: a build that leaks (a thread per collective op, as TensorFlow's per-op timeouts
 start) ends within a few hundred steps instead of exhausting the machine, and fails here.
 
-Growth is measured robustly: the median of the last quarter's samples against the median of
-the first quarter's after warm-up (dataset pipelines come and go at epoch ends, a few dozen
-threads at a time).
+Growth is how much the floor rose: the least sample of the last quarter after warm-up
+against the first quarter's (dataset pipelines come and go at epoch ends, a few dozen threads
+at a time; a leak lifts the floor). Resident memory's quarters are compared by their medians.
 """
 
 from __future__ import annotations

@@ -78,8 +78,9 @@ def summarize(path: str, reports: list[dict]) -> list[dict]:
 
 def table(rows: list[dict], machine: str) -> str:
     lines = [
-        f"Machine: {machine}. Growth: median of the last quarter of the samples after "
-        f"{WARMUP:,} steps against the first quarter's.",
+        f"Machine: {machine}. Growth of threads and files: the least sample of the last "
+        f"quarter after {WARMUP:,} steps against the first quarter's (`soak.growth`); RSS: "
+        "the quarters' medians.",
         "",
         "| path | task | spe | steps | threads first / last (growth) | files growth | RSS MB "
         "first / last quarter (growth) | traced again after epoch 1 | ms a step, quarters 1-4 |",

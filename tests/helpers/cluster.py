@@ -16,7 +16,9 @@ from tfstrat import LaunchConfig, TFConfig, launch
 RUN_TIMEOUT = 400
 
 
-def launch_script(*args, workers: int = 2, ps: int = 0, env: dict | None = None) -> tuple[int, str]:
+def launch_script(
+    *args, workers: int = 2, ps: int = 0, env: dict | None = None, timeout: float = RUN_TIMEOUT
+) -> tuple[int, str]:
     """`tfstrat launch` of `python SCRIPT ARGS...` in tests/workers; returns (exit code, output)."""
     out = io.StringIO()
     cwd = os.getcwd()
@@ -27,7 +29,7 @@ def launch_script(*args, workers: int = 2, ps: int = 0, env: dict | None = None)
                 [sys.executable, *args],
                 workers=workers,
                 ps=ps,
-                timeout=RUN_TIMEOUT,
+                timeout=timeout,
                 threads_per_task=1,
                 env=env,
             ),
