@@ -7,7 +7,7 @@ Usage: python soak_run.py OUT_DIR KIND --steps N [--spe K[,K...]] [--devices D] 
 
 KIND: car (CollectiveAllReduce; `--communication ring` for TensorFlow's ring with one device),
 hybrid (with or without ps tasks), localsgd, ps (ParameterServer sync), mirrored (MirroredNCCL
-over D logical CPUs, one process), model-parallel (ModelParallel on a (1, D) mesh, one process).
+over D logical CPUs, one process; stock-mirrored: TensorFlow's MirroredStrategy so), model-parallel (ModelParallel on a (1, D) mesh, one process).
 
 Each K of `--spe` is a phase: the model compiled with steps_per_execution K, then N steps of
 `fit`. Every S steps (at a batch end) a sample {step, threads, open files, RSS KiB, time, traces
@@ -39,7 +39,7 @@ args = parser.parse_args()
 
 import tfstrat  # noqa: E402
 
-if args.devices > 1 or args.kind in ("mirrored", "model-parallel"):
+if args.devices > 1 or args.kind in ("mirrored", "stock-mirrored", "model-parallel"):
     tfstrat.split_cpu(max(args.devices, 2))
 devices = [f"/cpu:{i}" for i in range(args.devices)] if args.devices > 1 else None
 kind = args.kind
@@ -56,6 +56,10 @@ elif kind == "ps":
 elif kind == "mirrored":
     cpus = [f"/cpu:{i}" for i in range(max(args.devices, 2))]
     strategy = tfstrat.MirroredNCCL(cpus, timeout=args.timeout)
+elif kind == "stock-mirrored":  # the peer: TensorFlow's own MirroredStrategy
+    import tensorflow as tf
+
+    strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(max(args.devices, 2))])
 elif kind == "model-parallel":
     mesh = tfstrat.DeviceMesh((1, max(args.devices, 2)), ["batch", "model"])
     layout = tfstrat.LayoutMap(mesh)
