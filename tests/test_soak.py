@@ -16,11 +16,10 @@ at a time; a leak lifts the floor). Resident memory's quarters are compared by t
 
 from __future__ import annotations
 
-import statistics
 import sys
 
 import pytest
-from soak import PATHS, growth, run
+from soak import PATHS, growth, rss_growth, run
 
 THREADS, FILES = 50, 10  # the most a run may grow by
 RSS_GROWTH = 0.05  # the soak's bound on resident memory, first quarter to last
@@ -82,9 +81,7 @@ def test_twenty_thousand_steps_flat_threads_files_memory_and_no_retracing(path, 
     lines = check(reports, steps, warmup=1000)
     for r in reports:
         for p in r["phases"]:
-            rss = [s["rss_kib"] for s in p["samples"] if s["step"] >= 1000]
-            quarter = len(rss) // 4
-            first, last = statistics.median(rss[:quarter]), statistics.median(rss[-quarter:])
+            first, last = rss_growth(p["samples"], 1000)
             assert last < first * (1 + RSS_GROWTH), (r["task"], p["spe"], first, last)
             assert p["traces"] == p["first_epoch_traces"], (r["task"], p["spe"], p["traces"])
     print("\n".join(lines), file=sys.stderr)

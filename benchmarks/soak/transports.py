@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -26,7 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "tests", "helpers"))
 import soak  # noqa: E402  (the soak tier's runner)
 
-EVERY, WARMUP = 200, 1000
+EVERY, WARMUP = 200, 1000  # at 10,000 steps a phase; fewer steps: in proportion (`main`)
 
 
 def cpu_name() -> str:
@@ -54,9 +53,7 @@ def summarize(path: str, reports: list[dict]) -> list[dict]:
     rows = []
     for r in reports:
         for p in r["phases"]:
-            rss = [s["rss_kib"] for s in p["samples"] if s["step"] >= WARMUP]
-            n = len(rss) // 4
-            first, last = statistics.median(rss[:n]), statistics.median(rss[-n:])
+            first, last = soak.rss_growth(p["samples"], WARMUP)
             rows.append(
                 {
                     "path": path,
@@ -126,6 +123,9 @@ def main(argv=None) -> int:
     parser.add_argument("--paths", default=",".join(soak.PATHS))
     parser.add_argument("--out", default="bench-out/soak-paths")
     args = parser.parse_args(argv)
+    global EVERY, WARMUP
+    shortest = args.steps // 2  # a phase of a two-phase path
+    EVERY, WARMUP = max(1, min(200, shortest // 50)), min(1000, shortest // 10)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [os.path.join(HERE, "..", "..", "tests", "helpers"), os.environ.get("PYTHONPATH", "")]

@@ -5,6 +5,7 @@ how much a sampled series grew."""
 from __future__ import annotations
 
 import json
+import statistics
 
 from cluster import launch_script, run_script
 
@@ -47,3 +48,10 @@ def growth(samples: list[dict], key: str, warmup: int) -> float:
     assert len(after) >= 8, f"too few samples after warm-up: {len(after)}"
     quarter = len(after) // 4
     return min(after[-quarter:]) - min(after[:quarter])
+
+
+def rss_growth(samples: list[dict], warmup: int) -> tuple[float, float]:
+    """(first, last) quarter's median resident memory in KiB, of the samples after `warmup`."""
+    rss = [s["rss_kib"] for s in samples if s["step"] >= warmup]
+    quarter = len(rss) // 4
+    return statistics.median(rss[:quarter]), statistics.median(rss[-quarter:])

@@ -677,13 +677,8 @@ def _peer_devices(tf_config: TFConfig | None) -> list[tuple[str, str]]:
     """(name, device prefix) of every other chief and worker task: the collectives' peers."""
     if tf_config is None:
         return []
-    me = (tf_config.task_type, tf_config.task_index)
-    return [
-        (f"{job}:{i}", f"/job:{job}/replica:0/task:{i}")
-        for job in ("chief", "worker")
-        for i in range(len(tf_config.addresses(job)))
-        if (job, i) != me
-    ]
+    named = [name.split(":") for name, _ in _startup.peers(tf_config)]
+    return [(f"{job}:{i}", f"/job:{job}/replica:0/task:{i}") for job, i in named]
 
 
 def _task_name_of(tf_config: TFConfig | None) -> str:
