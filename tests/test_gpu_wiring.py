@@ -1,8 +1,13 @@
 """The GPU code paths' decisions, checked where no GPU is: rules on literal dtypes and device
-lists, and graphs traced (not run) with the ops a GPU would run."""
+lists, graphs traced (not run) with the ops a GPU would run, and strategies constructed on
+simulated GPUs (`simulated_gpus`: TensorFlow's device lists report them, its runtime has only
+the CPU) followed to the devices and transports they would use."""
+
+import json
 
 import pytest
 import tensorflow as tf
+from cluster import launch_script, run_script
 
 from tfstrat.mesh import collectives
 
@@ -45,3 +50,84 @@ def test_a_bfloat16_nccl_sum_is_traced_in_float32_and_handed_back_in_bfloat16():
     assert [op.device for op in nccl] == ["/device:GPU:0", "/device:GPU:1"]
     with pytest.raises(TypeError, match="NCCL cannot sum int8"):
         collectives.nccl_all_sum([tf.zeros([2], tf.int8)] * 2)
+
+
+# -- strategies constructed on simulated GPUs (tests/helpers/simulated_gpus.py) ------------------
+
+GPU = "/job:localhost/replica:0/task:0/device:GPU:{}"
+ONE_PROCESS = [
+    "mirrored@1",
+    "mirrored@2",
+    "mirrored@8",
+    "mirrored@1x2",  # one card split in two
+    "collective@2",
+    "collective@8",
+    "collective@1x2",
+    "model-parallel-1x2@2",
+    "model-parallel-2x1@2",
+    "model-parallel-1x2@1x2",
+]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    out = tmp_path_factory.mktemp("wiring") / "wiring.json"
+    run_script("gpu_wiring.py", str(out), *ONE_PROCESS)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize(
+    "case, transport, replicas",
+    [
+        ("mirrored@1", "ring", 1),  # one replica: nothing to all-reduce
+        ("mirrored@2", "nccl", 2),
+        ("mirrored@8", "nccl", 8),
+        ("mirrored@1x2", "ring", 2),  # NCCL refuses two ranks on one card
+        ("collective@2", "nccl", 2),
+        ("collective@8", "nccl", 8),
+        ("collective@1x2", "ring", 2),
+    ],
+)
+def test_strategies_train_on_every_visible_gpu_over_the_transport_they_say(
+    one_process, case, transport, replicas
+):
+    """Each strategy's constructor followed to the replica devices and the transport it
+    would use: every simulated GPU (each logical one of a split card), never the CPU."""
+    got = one_process[case]
+    assert got["transport"] == transport, got
+    assert got["replicas"] == replicas, got
+    assert got["devices"] == [GPU.format(i) for i in range(replicas)], got
+
+
+@pytest.mark.parametrize(
+    "case, model, data",
+    [
+        ("model-parallel-1x2@2", "nccl", "copies"),  # the model axis over two cards
+        ("model-parallel-2x1@2", "copies", "nccl"),  # the batch axis over two cards
+        ("model-parallel-1x2@1x2", "copies", "copies"),  # one card split: no NCCL
+    ],
+)
+def test_model_parallel_sums_over_nccl_on_separate_cards_only(one_process, case, model, data):
+    got = one_process[case]
+    assert (got["model_exchange"], got["data_exchange"]) == (model, data), got
+    assert got["devices"] == [GPU.format(i) for i in range(2)], got
+
+
+@pytest.mark.cluster
+def test_a_launch_with_ps_tasks_gives_the_ps_no_gpu_and_workers_keep_the_batch_on_the_host(
+    tmp_path,
+):
+    """`tfstrat launch --workers 2 --ps 1 --gpus 0,1`: each worker its own card, the ps none
+    (read from the tasks' environments); ParameterServer computes on the worker's GPU and
+    leaves Keras's global batches on the host, where the step cuts the worker's rows."""
+    code, out = launch_script(
+        "gpu_wiring.py", str(tmp_path), "ps", workers=2, ps=1, gpus=["0", "1"]
+    )
+    assert code == 0, out[-6000:]
+    for w in range(2):
+        got = json.loads((tmp_path / f"worker_{w}.json").read_text())
+        assert got["launched"] == {"ps:0": "", "worker:0": "0", "worker:1": "1"}, got
+        ps = got["ps"]
+        assert ps["cards"] == 1 and ps["cuda_visible_devices"] == str(w), ps
+        assert ps["compute_device"] == f"/job:worker/replica:0/task:{w}/device:GPU:0", ps
+        assert ps["keras_input_devices"] == [f"/job:worker/replica:0/task:{w}/device:CPU:0"], ps

@@ -66,6 +66,11 @@ def test_two_workers_one_ps_equal_single_device(one_ps, reference):
             assert report[name]["predict_rows"] == 480  # predict runs whole batches
             devices = report[name]["devices"]
             assert all(d == "/job:ps/replica:0/task:0/device:CPU:0" for d in devices.values())
+            # Each step receives its worker's 12 rows of the 24, cut on the worker's host (a
+            # GPU worker copies its rows to its GPU, not the global batch).
+            assert report[name]["step_rows"] == [12], report[name]
+            host = f"/job:worker/replica:0/task:{w}/device:CPU:0"
+            assert report[name]["slice_devices"] == [host], report[name]
         assert report["dropped"] == 0
 
 

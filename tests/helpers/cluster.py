@@ -17,9 +17,15 @@ RUN_TIMEOUT = 400
 
 
 def launch_script(
-    *args, workers: int = 2, ps: int = 0, env: dict | None = None, timeout: float = RUN_TIMEOUT
+    *args,
+    workers: int = 2,
+    ps: int = 0,
+    env: dict | None = None,
+    timeout: float = RUN_TIMEOUT,
+    gpus: list[str] | None = None,
 ) -> tuple[int, str]:
-    """`tfstrat launch` of `python SCRIPT ARGS...` in tests/workers; returns (exit code, output)."""
+    """`tfstrat launch` of `python SCRIPT ARGS...` in tests/workers (`gpus`: `--gpus`);
+    returns (exit code, output)."""
     out = io.StringIO()
     cwd = os.getcwd()
     os.chdir(WORKERS)
@@ -32,6 +38,7 @@ def launch_script(
                 timeout=timeout,
                 threads_per_task=1,
                 env=env,
+                gpus=gpus,
             ),
             out,
         )

@@ -17,6 +17,7 @@ and writes its weights to <file>.npz.
 import argparse
 import json
 import os
+import types
 
 import numpy as np
 
@@ -41,6 +42,7 @@ if not args.reference:
         replicas_to_aggregate=args.aggregate, partitions=partitions, timeout=60
     )
 
+import graphs  # noqa: E402
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from common import CLASSES, SEQ, VOCAB, compile_model, data, dump_loaded, optimizer  # noqa: E402
@@ -67,11 +69,37 @@ x, y = data(args.examples)
 scope = (strategy or tf.distribute.get_strategy()).scope
 task = os.environ.get("TFSTRAT_TASK", "reference").replace(":", "_")
 report, arrays = {}, {}
+
+
+def count_rows(model) -> list:
+    """The rows each training step of `model` receives, as it runs."""
+    rows, inner = [], type(model).train_step
+
+    def train_step(self, data):  # a method named so: the strategy tells Keras's step by it
+        seen = tf.numpy_function(
+            lambda n: rows.append(int(n)) or n, [tf.shape(data[0])[0]], tf.int32, stateful=True
+        )
+        with tf.control_dependencies([seen]):
+            return inner(self, data)
+
+    model.train_step = types.MethodType(train_step, model)
+    return rows
+
+
 for name in ("sgd", "adagrad"):
     with scope():
         model = compile_model(build(stock=args.reference), optimizer(name, densify=args.reference))
+    rows = count_rows(model)
     history = model.fit(x, y, batch_size=args.global_batch, epochs=2, shuffle=False, verbose=0)
+    if not args.reference:  # where the step cut this worker's rows from the global batch
+        nodes = graphs.step_nodes(model)
+        report[name] = {
+            "slice_devices": sorted({n.device for n in nodes if "tfstrat_worker_rows/" in n.name}),
+            "input_devices": sorted({n.device for n in nodes if "GetNext" in n.op}),
+        }
     report[name] = {
+        **report.get(name, {}),
+        "step_rows": sorted(set(rows)),
         "iterations": int(model.optimizer.iterations.numpy()),
         "loss": history.history["loss"],
         "devices": {w.path: w.value.device for w in model.weights},

@@ -135,7 +135,9 @@ def nccl_all_sum(parts: list) -> list:
     dtype = tf.as_dtype(parts[0].dtype)
     wire = nccl_dtype(dtype)
     if wire is None:
-        raise TypeError(f"NCCL cannot sum {dtype.name} tensors (only {sorted(d.name for d in NCCL_DTYPES)})")
+        raise TypeError(
+            f"NCCL cannot sum {dtype.name} tensors (only {sorted(d.name for d in NCCL_DTYPES)})"
+        )
     if wire == dtype:
         return nccl_ops.all_sum(parts)
     cast = lambda t, to: tf.cast(t, to) if not t.device else _on(t.device, tf.cast, t, to)  # noqa: E731

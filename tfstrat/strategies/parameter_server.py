@@ -391,7 +391,10 @@ class ParameterServer(distribute_lib.Strategy):
         if step in _SLICED_STEPS and self.num_workers > 1:
             self._check_rows(_static_rows(args))
             self._guard_rows(model, step)
-            args = self._slice(args)
+            # On the host, where Keras's input stays (`experimental_distribute_dataset`):
+            # only this worker's rows reach its GPU.
+            with tf.device(self.extended._input_device), tf.name_scope("tfstrat_worker_rows"):
+                args = self._slice(args)
         if step == "train_step" and model is not None:
             self._stop.attach(model)
         if self.sync is not None and step == "train_step":
@@ -471,11 +474,17 @@ class ParameterServer(distribute_lib.Strategy):
     def experimental_distribute_dataset(self, dataset, options=None):
         """Keras's input (each fit, evaluate and predict): whole global batches, sliced in the
         step (`run`), where `train_on_batch` input is sliced too. A custom loop's: worker w's
-        rows [w*n//W, (w+1)*n//W) of each global batch of n rows, sliced here."""
+        rows [w*n//W, (w+1)*n//W) of each global batch of n rows, sliced here.
+
+        With several workers Keras's batches stay on the host (not fetched to the worker's
+        GPU): the step slices them there, so each worker copies its rows to its GPU, not the
+        whole global batch (W times its share)."""
         self._input_rows = _first_batch_rows(dataset)
         self._refuse_file_sharding(dataset)
-        if getattr(_keras_input, "active", False) or self.num_workers == 1:
+        if self.num_workers == 1:
             return super().experimental_distribute_dataset(dataset, options)
+        if getattr(_keras_input, "active", False):
+            return super().experimental_distribute_dataset(dataset, _on_host(options))
         self._check_rows(None)
         return super().experimental_distribute_dataset(self._sliced(dataset), options)
 
@@ -681,6 +690,12 @@ class ParameterServer(distribute_lib.Strategy):
 
 
 _keras_input = threading.local()  # .active while Keras distributes its own input
+
+
+def _on_host(options):
+    """`options` (or the defaults) with batches left on the host, not fetched to the device."""
+    options = options if options is not None else tf.distribute.InputOptions()
+    return options._replace(experimental_fetch_to_device=False)  # a namedtuple
 
 
 def _mark_keras_input() -> None:
