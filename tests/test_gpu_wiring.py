@@ -4,6 +4,7 @@ simulated GPUs (`simulated_gpus`: TensorFlow's device lists report them, its run
 the CPU) followed to the devices and transports they would use."""
 
 import json
+import time
 
 import pytest
 import tensorflow as tf
@@ -120,10 +121,11 @@ def test_a_launch_with_ps_tasks_gives_the_ps_no_gpu_and_workers_keep_the_batch_o
     """`tfstrat launch --workers 2 --ps 1 --gpus 0,1`: each worker its own card, the ps none
     (read from the tasks' environments); ParameterServer computes on the worker's GPU and
     leaves Keras's global batches on the host, where the step cuts the worker's rows."""
+    env = {"TFSTRAT_TEST_NVIDIA_DRIVER": str(driver(tmp_path / "driver", 2))}
     code, out = launch_script(
-        "gpu_wiring.py", str(tmp_path), "ps", workers=2, ps=1, gpus=["0", "1"]
+        "gpu_wiring.py", str(tmp_path), "ps", workers=2, ps=1, gpus=["0", "1"], env=env
     )
-    assert code == 0, out[-6000:]
+    assert code == 0, out[-6000:]  # each worker's card its own: no refusal
     for w in range(2):
         got = json.loads((tmp_path / f"worker_{w}.json").read_text())
         assert got["launched"] == {"ps:0": "", "worker:0": "0", "worker:1": "1"}, got
@@ -131,3 +133,40 @@ def test_a_launch_with_ps_tasks_gives_the_ps_no_gpu_and_workers_keep_the_batch_o
         assert ps["cards"] == 1 and ps["cuda_visible_devices"] == str(w), ps
         assert ps["compute_device"] == f"/job:worker/replica:0/task:{w}/device:GPU:0", ps
         assert ps["keras_input_devices"] == [f"/job:worker/replica:0/task:{w}/device:CPU:0"], ps
+
+
+def driver(where, cards: int):
+    """A directory laid out as the NVIDIA driver's /proc/driver/nvidia/gpus with `cards`
+    GPUs (tfstrat.launcher.gpus reads their UUIDs from it)."""
+    for i in range(cards):
+        card = where / f"0000:{i + 1:02x}:00.0"
+        card.mkdir(parents=True)
+        (card / "information").write_text(
+            f"Model: \t\t NVIDIA A100-SXM4-40GB\nIRQ: \t\t {100 + i}\n"
+            f"GPU UUID: \t GPU-{i:08d}-aaaa-bbbb-cccc-dddddddddddd\nVideo BIOS: \t ??.??\n"
+        )
+    return where
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("strategy,ps", [("collective", 0), ("ps", 1)])
+def test_two_workers_that_see_one_gpu_are_refused_by_name_at_start(tmp_path, strategy, ps):
+    """`tfstrat launch --workers 2` on a one-GPU machine left both tasks on the card (nothing
+    bound them here): the tasks compare their GPUs' UUIDs at start and each refuses, naming
+    both tasks and the card, before a collective or a variable."""
+    env = {"TFSTRAT_TEST_NVIDIA_DRIVER": str(driver(tmp_path / "driver", 1))}
+    start = time.monotonic()
+    code, out = launch_script(
+        "gpu_wiring.py", str(tmp_path), f"{strategy}@1", workers=2, ps=ps, env=env, timeout=120
+    )
+    took = time.monotonic() - start
+    assert code != 0, out[-4000:]
+    card = "GPU-00000000-aaaa-bbbb-cccc-dddddddddddd"
+    chief = "worker:0 (the chief)" if ps else "worker:0"  # ParameterServer's name for it
+    for me in (chief, "worker:1"):
+        assert f"UsageError: tfstrat: {me}: {chief} and worker:1 both see GPU {card}" in out, out[
+            -6000:
+        ]
+    assert "Give each task its own GPUs" in out
+    assert not list(tmp_path.glob("worker_*.json"))  # no strategy was made
+    assert took < 100, took  # refused at start, not after a timeout

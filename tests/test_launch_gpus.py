@@ -99,6 +99,41 @@ def test_the_gpus_to_hand_out_come_from_the_flag_then_cuda_visible_devices():
     assert gpus.available(None, {"CUDA_VISIBLE_DEVICES": "-1"}) == []
 
 
+def test_a_gpu_named_twice_is_refused():
+    with pytest.raises(ValueError, match=r"GPUs 0,1,0, naming 0 more than once.*once"):
+        gpus.bind(W[:3], ["0", "1", "0"])
+    with pytest.raises(ValueError, match="naming 0 more than once"):  # before any start
+        LaunchConfig(["true"], workers=2, gpus=["0", "0"])
+
+
+def test_a_task_reads_its_gpus_uuids_as_cuda_selects_them_and_shared_cards_are_named(tmp_path):
+    """Each task's GPUs by UUID from the driver's files (in PCI order, CUDA's order), chosen
+    by CUDA_VISIBLE_DEVICES as CUDA chooses: by index, by UUID or unique prefix, up to the first
+    entry that names no single GPU. Tasks of one machine that share a UUID are named."""
+    for i, pci in enumerate(["0000:3b:00.0", "0000:1a:00.0", "0000:5e:00.0"]):
+        (tmp_path / pci).mkdir()
+        (tmp_path / pci / "information").write_text(
+            f"Model: \t\t Tesla V100\nGPU UUID: \t GPU-{i}{i}{i}-x\nBus Location: \t {pci}\n"
+        )
+    by_pci = ["GPU-111-x", "GPU-000-x", "GPU-222-x"]  # 1a < 3b < 5e
+    uuids = lambda visible: gpus.uuids(  # noqa: E731
+        {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}, str(tmp_path)
+    )
+    assert uuids(None) == by_pci
+    assert uuids("2,0") == ["GPU-222-x", "GPU-111-x"]
+    assert uuids("GPU-000,1") == ["GPU-000-x", "GPU-000-x"]  # CUDA itself refuses this one
+    assert uuids("0,7,1") == ["GPU-111-x"]  # 7 names no GPU: CUDA stops there
+    assert uuids("GPU-,1") == []  # a prefix of every card names none
+    assert uuids("") == uuids("-1") == []
+    assert gpus.uuids({}, str(tmp_path / "none")) == []  # no driver
+    assert gpus.shared({"worker:0": uuids("0,1"), "worker:1": uuids("2"), "ps:0": []}) == {}
+    records = {"worker:0": uuids("0,1"), "worker:1": uuids("1"), "worker:2": uuids("GPU-0")}
+    assert gpus.shared(records) == {"GPU-000-x": ["worker:0", "worker:1", "worker:2"]}
+    refusal = gpus.sharing(records)
+    assert refusal.startswith("worker:0, worker:1 and worker:2 all see GPU GPU-000-x: "), refusal
+    assert "Give each task its own GPUs" in refusal
+
+
 @pytest.mark.cluster
 def test_launched_workers_see_their_own_cuda_visible_devices():
     script = "import os; print('CVD', repr(os.environ.get('CUDA_VISIBLE_DEVICES')))"

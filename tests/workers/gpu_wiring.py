@@ -9,7 +9,8 @@ logical GPUs), or without @ one per entry of this task's CUDA_VISIBLE_DEVICES (a
 launch` bound them). Writes OUT (OUT/TYPE_INDEX.json under a TF_CONFIG) as JSON, one entry per
 case: the replica devices, the transport, the task's CUDA_VISIBLE_DEVICES, and per strategy
 what its input and sums would use; under a TF_CONFIG also every launched task's
-CUDA_VISIBLE_DEVICES, read from its environment.
+CUDA_VISIBLE_DEVICES, read from its environment. TFSTRAT_TEST_NVIDIA_DRIVER: a directory
+laid out as the NVIDIA driver's /proc/driver/nvidia/gpus, read for the GPUs' UUIDs instead.
 """
 
 import json
@@ -21,6 +22,10 @@ import simulated_gpus
 import tensorflow as tf
 
 import tfstrat
+from tfstrat.launcher import gpus
+
+if os.environ.get("TFSTRAT_TEST_NVIDIA_DRIVER"):
+    gpus._DRIVER = os.environ["TFSTRAT_TEST_NVIDIA_DRIVER"]
 
 
 def launched_tasks() -> dict:

@@ -71,6 +71,12 @@ def bind(
         {'worker:0': '0,1', 'worker:1': '2,3', 'ps:0': ''}
     """
     gpus = list(gpus)
+    twice = sorted({g for g in gpus if gpus.count(g) > 1})
+    if twice:
+        raise UsageError(
+            f"Received: GPUs {','.join(gpus)}, naming {','.join(twice)} more than once (two "
+            "tasks on one card). Name each GPU once."
+        )
     if per_task is not None and per_task < 1:
         raise UsageError(f"Received: gpus_per_task={per_task}. Use 1 or more (or leave it unset).")
     if not gpus:
@@ -144,6 +150,91 @@ def plan(
         f"{describe(binding)}; {len(found)} GPU(s) do not split evenly among "
         f"{len(trainers)} training task(s): {each} each, {','.join(unused)} unused "
         "(--gpus-per-task N or --gpus LIST chooses)"
+    )
+
+
+def uuids(environ: Mapping[str, str] | None = None, driver: str | None = None) -> list[str]:
+    """The UUIDs of the GPUs this process's CUDA may use, in CUDA's order, read from the NVIDIA
+    driver (`/proc/driver/nvidia/gpus/<PCI address>/information`, "GPU UUID: GPU-..."); []
+    without the driver. `CUDA_VISIBLE_DEVICES` selects among them as CUDA does: indices (in
+    PCI bus order, CUDA's order for identical cards), UUIDs or their unique prefixes, up to the
+    first entry that names no GPU; unset, every GPU.
+
+    Example:
+        >>> uuids({"CUDA_VISIBLE_DEVICES": "1"}, "/nonexistent")
+        []
+    """
+    environ = os.environ if environ is None else environ
+    driver = _DRIVER if driver is None else driver
+    try:
+        cards = sorted(os.listdir(driver))
+    except OSError:
+        return []
+    found = []
+    for card in cards:
+        try:
+            with open(os.path.join(driver, card, "information"), encoding="utf-8") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            continue
+        ids = [ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("GPU UUID")]
+        found.append(ids[0] if ids else f"PCI-{card}")
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return found
+    chosen = []
+    for entry in (e.strip() for e in visible.split(",")):
+        if entry.isdigit():
+            match = [found[int(entry)]] if int(entry) < len(found) else []
+        else:
+            match = [u for u in found if entry and u.startswith(entry)]
+        if len(match) != 1:  # CUDA stops at the first entry that names no (single) GPU
+            break
+        chosen += match
+    return chosen
+
+
+def shared(records: Mapping[str, Sequence[str]]) -> dict[str, list[str]]:
+    """{GPU UUID: the tasks that see it} for every GPU that more than one task of `records`
+    ({task: its GPUs' UUIDs}, the tasks of one machine) sees.
+
+    Example:
+        >>> shared({"worker:0": ["GPU-a", "GPU-b"], "worker:1": ["GPU-b"]})
+        {'GPU-b': ['worker:0', 'worker:1']}
+    """
+    seen: dict[str, list[str]] = {}
+    for task, ids in records.items():
+        for uuid in dict.fromkeys(ids):
+            seen.setdefault(uuid, []).append(task)
+    return {uuid: tasks for uuid, tasks in seen.items() if len(tasks) > 1}
+
+
+def sharing(records: Mapping[str, Sequence[str]]) -> str | None:
+    """The refusal for training tasks (`records`: {task: its GPUs' UUIDs}, from `uuids` in
+    each task) that see one GPU between them, naming the tasks and the card; None if none do.
+    UUIDs are unique to a card, so the tasks of every machine are compared at once.
+
+    Example:
+        >>> print(sharing({"worker:0": ["GPU-a"], "worker:1": ["GPU-a"]}))
+        worker:0 and worker:1 both see GPU GPU-a: two TensorFlow processes on one card fight \
+over its memory and NCCL refuses them ("Duplicate GPU detected"). Give each task its own GPUs: \
+`tfstrat launch` binds them (`--gpus 0,1,...`, or `--gpus none` to train on the CPU), or set \
+each task's CUDA_VISIBLE_DEVICES to different GPUs.
+        >>> sharing({"worker:0": ["GPU-a"], "worker:1": []}) is None
+        True
+    """
+    both = shared(records)
+    if not both:
+        return None
+    uuid, tasks = next(iter(both.items()))
+    more = f" (and {len(both) - 1} more GPU(s))" if len(both) > 1 else ""
+    return (
+        f"{', '.join(tasks[:-1])} and {tasks[-1]} {'both' if len(tasks) == 2 else 'all'} see "
+        f"GPU {uuid}{more}: two TensorFlow "
+        'processes on one card fight over its memory and NCCL refuses them ("Duplicate GPU '
+        'detected"). Give each task its own GPUs: `tfstrat launch` binds them (`--gpus '
+        "0,1,...`, or `--gpus none` to train on the CPU), or set each task's "
+        "CUDA_VISIBLE_DEVICES to different GPUs."
     )
 
 

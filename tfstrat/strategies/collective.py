@@ -34,6 +34,7 @@ from tfstrat.cluster import TFConfig
 from tfstrat.cluster import ports as _ports
 from tfstrat.errors import AgreementError, ListenError, UsageError
 from tfstrat.keras import _fit_scope
+from tfstrat.launcher import gpus
 from tfstrat.reduce import compression as _compression
 from tfstrat.reduce import ring
 from tfstrat.reduce.compression import PowerSGD
@@ -648,6 +649,10 @@ def _agree_on_cluster(tf_config: TFConfig, timeout: float) -> None:
     knows tasks by name) and fail in their first collective with TensorFlow's "Device ...
     is joining a group with size 3, but that group has size 2"; different addresses for a
     task fail later, in a connect.
+
+    Each task also publishes the UUIDs of the GPUs it sees (`gpus.uuids`): two tasks on one
+    card are refused by name here, not by NCCL in the first step ("Duplicate GPU detected")
+    or by the second process running out of the memory the first took.
     """
     tasks = [
         f"{job}:{i}" for job in ("chief", "worker") for i in range(len(tf_config.addresses(job)))
@@ -655,22 +660,39 @@ def _agree_on_cluster(tf_config: TFConfig, timeout: float) -> None:
     me, chief = tf_config.task_name, tasks[0]
     mine = _agreement.describe(tf_config)
     ctx = context.context()
-    ctx.set_config_key_value(f"tfstrat/cluster/{me}", json.dumps(mine))
+    ms = int(timeout * 1000)
+    cards = gpus.uuids()
+    ctx.set_config_key_value(f"tfstrat/cluster/{me}", json.dumps({"cluster": mine, "gpus": cards}))
+    seen = {}
     for other in tasks[1:] if me == chief else [chief]:
-        try:
-            theirs = json.loads(
-                ctx.get_config_key_value(f"tfstrat/cluster/{other}", int(timeout * 1000))
-            )
-        except tf.errors.OpError as e:
-            raise AgreementError(
-                f"tfstrat: {me}: {other} did not publish its TF_CONFIG cluster within "
-                f"{timeout:g} s after start-up ({type(e).__name__}: {e.message.splitlines()[0]}). "
-                "Run the same program on every task; raise `timeout=` if it starts slowly."
-            ) from e
+        key = f"tfstrat/cluster/{other}"
+        seen[other] = json.loads(_published(ctx, key, ms, me, other, "its TF_CONFIG cluster"))
         named = lambda t: f"{t} (the chief)" if t == chief else t  # noqa: E731
-        diff = _agreement.first_difference(theirs, mine, named(other), named(me))
+        diff = _agreement.first_difference(seen[other]["cluster"], mine, named(other), named(me))
         if diff:
             raise AgreementError(f"tfstrat: {diff}")
+    # Tasks that see one GPU between them: the chief compares every task's cards (UUIDs are
+    # unique to a card, whichever machine), publishes its finding, and every task refuses.
+    if me == chief:
+        refusal = gpus.sharing({me: cards, **{t: r["gpus"] for t, r in seen.items()}})
+        ctx.set_config_key_value("tfstrat/gpus-shared", json.dumps(refusal))
+    else:
+        refusal = json.loads(
+            _published(ctx, "tfstrat/gpus-shared", ms, me, chief, "the tasks' GPUs it compared")
+        )
+    if refusal:
+        raise UsageError(f"tfstrat: {me}: {refusal}")
+
+
+def _published(ctx, key: str, ms: int, me: str, other: str, what: str) -> str:
+    try:
+        return ctx.get_config_key_value(key, ms)
+    except tf.errors.OpError as e:
+        raise AgreementError(
+            f"tfstrat: {me}: {other} did not publish {what} within "
+            f"{ms / 1000:g} s after start-up ({type(e).__name__}: {e.message.splitlines()[0]}). "
+            "Run the same program on every task; raise `timeout=` if it starts slowly."
+        ) from e
 
 
 def _peer_devices(tf_config: TFConfig | None) -> list[tuple[str, str]]:

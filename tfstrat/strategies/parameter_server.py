@@ -35,6 +35,7 @@ from tfstrat.cluster import TFConfig
 from tfstrat.errors import AgreementError, UsageError
 from tfstrat.keras import _fit_scope
 from tfstrat.keras._shuffle import seed_shuffles
+from tfstrat.launcher import gpus
 from tfstrat.ps import steps
 from tfstrat.ps import variables as psvars
 from tfstrat.ps.connect import Heartbeat, connect
@@ -434,7 +435,7 @@ class ParameterServer(distribute_lib.Strategy):
         chief's; any difference (or a problem a task recorded) fails every task alike."""
         ext, n = self.extended, self.num_workers
         names = [ext.tf_config.trainer_name(w) for w in range(n)]
-        mine = {"description": desc, "problems": list(ext.problems)}
+        mine = {"description": desc, "problems": list(ext.problems), "gpus": gpus.uuids()}
         psvars.publish(f"{self._run}/agree/{key}", ext.worker, mine, self)
         seen = {ext.worker: mine}
         others = [w for w in range(n) if w != ext.worker]
@@ -454,6 +455,10 @@ class ParameterServer(distribute_lib.Strategy):
             for v in sorted(seen):  # same descriptions, but a ps held other shapes
                 if seen[v]["problems"]:
                     raise AgreementError(f"tfstrat: {seen[v]['problems'][0]}")
+        # Every task has every task's record: two on one GPU are refused by each of them.
+        refusal = gpus.sharing({names[v]: seen[v]["gpus"] for v in sorted(seen)})
+        if refusal:
+            raise UsageError(f"tfstrat: {names[ext.worker]}: {refusal}")
 
     def _check_model(self, model, step: str) -> None:
         """Before a model's first training step, every task agrees on its variables."""
