@@ -264,6 +264,51 @@ def test_scaling_rows_on_a_gpu_host_split_its_gpus_among_the_workers():
     assert cpu["B-2"]["devices_per_worker"] == 1 and cpu["B-2"]["label"] == "CollectiveAllReduce"
 
 
+def test_a_gpu_hosts_rows_give_each_task_its_rows_gpus_and_its_share_of_memory(monkeypatch):
+    """On an 8-GPU host each task is launched with its row's GPUs (LocalSGD's and
+    ParameterServer's rows one per worker, which is all they accept; B-2 four each), and each
+    worker is told how many processes share the host's memory."""
+    from tfstrat.bench import _report, scaling
+
+    launched = {}
+
+    def run_row(module, config, **kw):  # the launch itself is tested in tests/test_launch_gpus.py
+        launched[config["strategy"], kw["workers"]] = (kw["gpus_per_task"], config)
+        return {"error": "not run"}
+
+    monkeypatch.setattr(_report, "run_row", run_row)
+    config = scaling.ScalingConfig(workers=(1, 2), threads=1, model="small", image=32)
+    config = scaling._resolve(config, {"gpus": 8, "cpus": 16})
+    scaling._measure(scaling._rows(config, 16, gpus=8), config, {"gpus": 8, "cpus": 16})
+    assert launched["collective", 2][0] == 4 and launched["mirrored", 1][0] == 8
+    for strategy in ("localsgd-1", "localsgd-16", "ps-sync", "ps-async"):
+        gpus, worker_config = launched[strategy, 2]
+        assert gpus == 1 and worker_config["devices"] == 1, (strategy, gpus)
+        assert worker_config["host_processes"] == 2
+    launched.clear()
+    scaling._measure(scaling._rows(config, 2), config, {"gpus": 0, "cpus": 2})
+    assert {gpus for gpus, _ in launched.values()} == {None}  # no GPU: the launcher's default
+
+
+def test_a_worker_holds_what_fits_the_host_and_refuses_a_batch_that_cannot():
+    """The B rows' 224x224 images: 32 global batches wanted per process; on a host with less
+    memory, fewer (whole global batches), and a row whose one global batch cannot fit is
+    refused, naming the memory it needs and what there is."""
+    from tfstrat.bench._worker import examples_in_memory
+    from tfstrat.errors import UsageError
+
+    small = {"image": 32, "host_processes": 2, "accuracy": True}
+    assert examples_in_memory(small, 128, 16 * 2**30) == 128 * 32  # the CPU rows: all of it
+    big = {"image": 224, "host_processes": 2, "accuracy": True}
+    assert examples_in_memory(big, 1024, 2**40) == 1024 * 32
+    fits = examples_in_memory(big, 1024, 40 * 2**30)
+    assert fits % 1024 == 0 and 1024 <= fits < 1024 * 32
+    held_out = 602_116 * 8192  # the accuracy rows' held-out images, beside the data
+    assert 2 * 2 * (2 * 602_116 * fits + held_out) <= 40 * 2**30
+    with pytest.raises(UsageError, match=r"needs about .* GiB of host memory; this host has "):
+        examples_in_memory({**big, "host_processes": 8}, 1024, 16 * 2**30)
+
+
 @pytest.mark.timeout(120)
 def test_the_worker_measures_held_out_accuracy_against_training_time():
     """`curve_every`: the held-out accuracy every N steps (each epoch in chunks of N), with the

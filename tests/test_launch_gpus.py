@@ -12,6 +12,7 @@ import pytest
 
 from tfstrat import LaunchConfig, launch
 from tfstrat.launcher import gpus
+from tfstrat.launcher.api import threads_per_task
 
 W = [f"worker:{i}" for i in range(8)]
 
@@ -135,14 +136,34 @@ def test_a_task_reads_its_gpus_uuids_as_cuda_selects_them_and_shared_cards_are_n
 
 
 @pytest.mark.cluster
-def test_launched_workers_see_their_own_cuda_visible_devices():
-    script = "import os; print('CVD', repr(os.environ.get('CUDA_VISIBLE_DEVICES')))"
+def test_launched_workers_see_their_own_cuda_visible_devices_and_keep_tensorflows_pools(
+    monkeypatch,
+):
+    """Each worker its card; a task with GPUs keeps TensorFlow's thread pools (its math is on
+    the card: a share of the cores would starve its input pipeline and kernel launches), the
+    ps (no GPU) gets its share of the cores, and `threads_per_task` given is honoured."""
+    for name in ("TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    script = (
+        "import os; e = os.environ.get; print('CVD', repr(e('CUDA_VISIBLE_DEVICES')), "
+        "e('TF_NUM_INTRAOP_THREADS'), e('TF_NUM_INTEROP_THREADS'), e('OMP_NUM_THREADS'))"
+    )
+    command = [sys.executable, "-c", script]
     out = io.StringIO()
-    config = LaunchConfig([sys.executable, "-c", script], workers=2, gpus=["0", "1"], timeout=60)
+    config = LaunchConfig(command, workers=2, ps=1, gpus=["0", "1"], timeout=60)
     assert launch(config, out) == 0, out.getvalue()
     lines = out.getvalue().splitlines()
-    assert "tfstrat launch: GPUs (CUDA_VISIBLE_DEVICES): worker:0 GPU 0, worker:1 GPU 1" in lines
-    assert "[worker:0] CVD '0'" in lines and "[worker:1] CVD '1'" in lines, lines
+    line = "tfstrat launch: GPUs (CUDA_VISIBLE_DEVICES): worker:0 GPU 0, worker:1 GPU 1, ps:0 none"
+    assert line in lines, lines
+    assert "[worker:0] CVD '0' None None None" in lines, lines
+    assert "[worker:1] CVD '1' None None None" in lines, lines
+    # The ps (its output may be cut when the workers end): 16 cores over 2 training tasks.
+    assert threads_per_task(config, gpus=False) == 8
+    out = io.StringIO()
+    config = LaunchConfig(command, workers=2, gpus=["0", "1"], threads_per_task=3, timeout=60)
+    assert launch(config, out) == 0, out.getvalue()
+    assert "[worker:1] CVD '1' 3 3 3" in out.getvalue().splitlines(), out.getvalue()
 
 
 def test_the_command_line_refuses_gpus_that_do_not_split_with_exit_2():

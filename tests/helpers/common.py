@@ -75,8 +75,12 @@ def optimizer(kind: str, /, densify: bool = False, **kw):
 
 
 def compile_model(model, opt, **kw):
+    """`model.compile` with the suite's loss and metric; `jit_compile` False unless given,
+    for the reference and the strategies alike (Keras's "auto" is XLA wherever a GPU is
+    listed, a difference from the strategies' runs that is not theirs)."""
     import keras
 
+    kw.setdefault("jit_compile", False)
     model.compile(
         **kw,
         optimizer=opt,

@@ -136,11 +136,14 @@ def run_row(
     ps: int = 0,
     chief: bool = False,
     every_task: bool = False,
+    gpus_per_task: int | None = None,
 ) -> dict:
     """Runs `python -m MODULE CONFIG` on `workers` tasks; returns worker 0's RESULT, or an error.
 
     With `every_task` (independent processes, no strategy: the side-by-side row), the tasks'
-    examples/s are summed instead, and each task's RESULT is under "tasks".
+    examples/s are summed instead, and each task's RESULT is under "tasks". `gpus_per_task`:
+    each training task's own GPUs (`tfstrat launch --gpus-per-task`; None: the launcher's
+    even split of the host's GPUs).
     A row that fails (a stock peer that crashes, say) returns `{"error": "..."}` naming the
     first line of the failure, so the table can say how it failed.
     """
@@ -160,6 +163,7 @@ def run_row(
             threads_per_task=threads,
             timeout=timeout,
             env=env,
+            gpus_per_task=gpus_per_task,
         ),
         out,
     )

@@ -170,9 +170,54 @@ def _held_out_accuracy(tf, np, model, image: int) -> float:
     return float((np.asarray(logits).argmax(1) == labels).mean())
 
 
+def _available_bytes() -> int:
+    """The host memory a new allocation can take now (`MemAvailable`), else the physical size."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def examples_in_memory(config: dict, global_batch: int, available: int) -> int:
+    """How many distinct examples this process generates and repeats: 32 global batches for
+    the accuracy rows (4 else), fewer when that would not fit its share of the host's
+    `available` bytes (half of them over `host_processes` processes, each briefly holding two
+    copies while the dataset is made, and the held-out images beside them); at least one
+    global batch, else the row is refused naming what it needs.
+
+    Example:
+        >>> config = {"image": 224, "host_processes": 2, "accuracy": True}
+        >>> examples_in_memory(config, 1024, 80 * 2**30)  # B-2 on 8 GPUs: 32,768 wanted
+        13312
+    """
+    wanted = global_batch * (32 if config.get("accuracy") else 4)
+    if config.get("workload") == "sparse":
+        each = 4 * int(config["seq"]) + 4
+    else:
+        each = 4 * 3 * int(config["image"]) ** 2 + 4
+    held_out = each * HELD_OUT if config.get("accuracy") else 0
+    share = available // 2 // max(1, int(config.get("host_processes", 1)))
+    fit = (share - held_out) // (2 * each) // global_batch * global_batch
+    if fit < global_batch:
+        need = (
+            (2 * each * global_batch + held_out) * 2 * max(1, int(config.get("host_processes", 1)))
+        )
+        raise UsageError(
+            f"Received: a global batch of {global_batch:,} examples of {each:,} bytes in each "
+            f"of {config.get('host_processes', 1)} process(es), which needs about "
+            f"{need / 2**30:.1f} GiB of host memory; this host has {available / 2**30:.1f} GiB "
+            "available. Use a smaller --batch-per-device or --image, or fewer workers per host."
+        )
+    return min(wanted, fit)
+
+
 def _data(tf, np, config: dict, global_batch: int):
     rng = np.random.default_rng(0)
-    n = global_batch * (32 if config.get("accuracy") else 4)
+    n = config.get("examples") or examples_in_memory(config, global_batch, _available_bytes())
     if config.get("accuracy"):  # learnable labels; accuracy measured on held-out images
         seed = int(config.get("seed", 0))  # 0: the data every earlier run used
         x, y = _teacher_data(np, 1000 + seed if seed else 0, n, int(config["image"]))
@@ -275,6 +320,8 @@ def main(config: dict) -> dict:
     if config["strategy"] == "hybrid" and strategy.ps_addresses:  # tables: RPC on port + 1
         ps_ports = {int(a.rsplit(":", 1)[1]) + 1 for a in strategy.ps_addresses}
     global_batch = int(config["batch_per_device"]) * replicas  # PS: one worker's batch a step
+    # Sized once, before any copy is made, so that every worker's dataset holds the same rows.
+    config = {**config, "examples": examples_in_memory(config, global_batch, _available_bytes())}
     data = _data(tf, np, config, global_batch)
     if ps_mode:  # built on each worker from the function, not shipped from the coordinator
         data = keras.utils.experimental.DatasetCreator(
@@ -411,6 +458,7 @@ def main(config: dict) -> dict:
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "replicas": replicas,
         "global_batch": global_batch,
+        "examples_in_memory": config["examples"],
         "threads": tf.config.threading.get_intra_op_parallelism_threads(),
         "warmup_s": epochs[0],
         "created_at": created_at,  # the strategy made (wall clock)

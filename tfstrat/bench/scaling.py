@@ -159,6 +159,7 @@ def _measure(rows: list[dict], c: ScalingConfig, machine: dict) -> None:
             "repeats": c.repeats,
             "threads": row["threads"],
             "accuracy": _with_accuracy(row),
+            "host_processes": row["workers"],  # they share this host's memory
         }
         ps_mode = row["strategy"] == "tfkeras-ps"
         result = _report.run_row(
@@ -170,6 +171,9 @@ def _measure(rows: list[dict], c: ScalingConfig, machine: dict) -> None:
             ps=_report.ps_tasks(row["strategy"]),
             chief=ps_mode,
             every_task=row["row"].startswith("P-1x"),
+            # On a GPU host each task takes its row's GPUs (LocalSGD's and ParameterServer's
+            # rows one each, the rest of the cards unused), not an even split of them all.
+            gpus_per_task=row["devices_per_worker"] if machine["gpus"] else None,
         )
         row.update(result, model=c.model, image=c.image, machine=machine)
         row["total_devices"] = row["workers"] * row["devices_per_worker"]

@@ -75,7 +75,8 @@ class LaunchConfig:
         threads_per_task: threads in each of TensorFlow's pools for every task
             (`TF_NUM_INTRAOP_THREADS` and `TF_NUM_INTEROP_THREADS`). None: this host's cores
             divided among the chief and workers (at least 1), so local tasks do not fight
-            over cores; 0: TensorFlow's defaults (every task sizes its pools to all cores).
+            over cores, except that tasks given GPUs by `gpus` keep TensorFlow's defaults;
+            0: TensorFlow's defaults (every task sizes its pools to all cores).
         env: extra environment variables for every task.
         grace: seconds between SIGTERM and SIGKILL when stopping tasks.
         restarts: how many times to stop every task and start all again, on fresh ports, after
@@ -347,7 +348,7 @@ def _task_env(
         env[BACKUP_DIR_ENV] = config.backup_dir
     env["PYTHONUNBUFFERED"] = "1"
     env = _quiet.task_env(env, task, config.verbose)  # TF_CPP_MIN_LOG_LEVEL=2 unless set
-    threads = threads_per_task(config)
+    threads = threads_per_task(config, gpus=bool(cuda))
     if threads:  # both pools: 2 inter-op threads alone keep ~1.4 cores of a process busy
         env["TF_NUM_INTRAOP_THREADS"] = env["TF_NUM_INTEROP_THREADS"] = str(threads)
         env["OMP_NUM_THREADS"] = str(threads)
@@ -356,10 +357,19 @@ def _task_env(
     return _runtime.task_env(env)
 
 
-def threads_per_task(config: LaunchConfig) -> int:
-    """Threads per TensorFlow pool for each task (0: TensorFlow's defaults)."""
+def threads_per_task(config: LaunchConfig, gpus: bool = False) -> int:
+    """Threads per TensorFlow pool for a task (0: TensorFlow's defaults); `gpus`: the launch
+    gave the task GPUs of its own.
+
+    A task that computes on GPUs keeps TensorFlow's pools unless `threads_per_task` says: its
+    math runs on the cards, and the host threads feed its input pipeline and launch kernels,
+    which a share of the cores (2 each for 8 tasks on 16 cores) would starve. Tasks on the CPU
+    share the cores, or each would size its pools to all of them and they would fight.
+    """
     if config.threads_per_task is not None:
         return config.threads_per_task
+    if gpus:
+        return 0
     if config.nodes is not None:  # this node's share of the cores
         training_tasks = sum(1 for _, (job, _) in config.nodes.local_tasks() if job != "ps")
     else:
