@@ -11,7 +11,7 @@ from cluster import (
     launch_script,
     start_task,
 )
-from common import relative_errors
+from common import check_collective_equiv
 from paths import WORKERS
 
 pytestmark = pytest.mark.cluster
@@ -45,13 +45,6 @@ def _reference(out_dir, *args):
     return np.load(out_dir / "reference.npz")
 
 
-def _weights(npz, name):
-    keys = sorted(
-        (k for k in npz.files if k.startswith(f"{name}/w")), key=lambda k: int(k[len(name) + 2 :])
-    )
-    return [npz[k] for k in keys]
-
-
 def _check_against_reference(tmp_path, workers, *args):
     code, out = launch_script("collective_equiv.py", str(tmp_path), *args, workers=workers)
     assert code == 0, out[-6000:]
@@ -59,29 +52,7 @@ def _check_against_reference(tmp_path, workers, *args):
     at = args.index("--devices") if "--devices" in args else len(args)
     ref = _reference(tmp_path, *args[:at], *args[at + 2 :])
     results = [np.load(tmp_path / f"worker_{i}.npz") for i in range(workers)]
-    for i, r in enumerate(results):  # tf.data, steps_per_execution=3
-        errs = relative_errors(_weights(r, "dataset"), _weights(ref, "dataset"))
-        assert max(errs) <= TOLERANCE, ("dataset", i, errs)
-        assert int(r["dataset/iterations"]) == 12
-    seen = ref["shuffle/times_seen"]
-    np.testing.assert_allclose(seen, seen[0], rtol=1e-5)  # one device: each example alike
-    for name in ("sgdm", "adam"):
-        for i, r in enumerate(results):
-            errs = relative_errors(_weights(r, name), _weights(ref, name))
-            assert max(errs) <= TOLERANCE, (name, i, errs)
-            assert int(r[f"{name}/iterations"]) == int(ref[f"{name}/iterations"])
-            np.testing.assert_allclose(r[f"{name}/evaluate"], ref[f"{name}/evaluate"], rtol=1e-5)
-            np.testing.assert_allclose(r[f"{name}/predict"], ref[f"{name}/predict"], atol=1e-5)
-            np.testing.assert_allclose(r[f"{name}/val_loss"], ref[f"{name}/val_loss"], rtol=1e-5)
-    # Every example seen as often as on one device in a shuffled epoch: the workers drew one
-    # shared permutation (else some examples are seen twice and others never).
-    for r in results:
-        np.testing.assert_allclose(r["shuffle/times_seen"], seen, rtol=1e-5)
-    for name in ("sgdm", "adam"):
-        # The workers agree with each other too.
-        for r in results[1:]:
-            errs = relative_errors(_weights(r, name), _weights(results[0], name))
-            assert max(errs) <= 1e-6, (name, errs)
+    check_collective_equiv(results, ref, TOLERANCE)
     return out
 
 

@@ -170,3 +170,25 @@ def test_two_workers_that_see_one_gpu_are_refused_by_name_at_start(tmp_path, str
     assert "Give each task its own GPUs" in out
     assert not list(tmp_path.glob("worker_*.json"))  # no strategy was made
     assert took < 100, took  # refused at start, not after a timeout
+
+
+@pytest.mark.cluster
+def test_two_workers_of_two_gpus_each_sum_their_cards_over_nccl(tmp_path):
+    """The GPU tier's 2 x 2 case as far as it goes without a collective: `tfstrat launch
+    --workers 2 --gpus 0,1,2,3` gives each worker two cards (distinct UUIDs), and each worker's
+    two cards become two replicas summed over NCCL (MirroredNCCL over what the worker sees, as
+    CollectiveAllReduce's local replicas: `collective@2` above). CollectiveAllReduce itself
+    cannot be built across tasks here: its start-up agreement runs a collective on the GPUs."""
+    env = {"TFSTRAT_TEST_NVIDIA_DRIVER": str(driver(tmp_path / "driver", 4))}
+    code, out = launch_script(
+        "gpu_wiring.py", str(tmp_path), "mirrored", workers=2, gpus=["0", "1", "2", "3"], env=env,
+        timeout=120,
+    )  # fmt: skip
+    assert code == 0, out[-6000:]
+    for w in range(2):
+        got = json.loads((tmp_path / f"worker_{w}.json").read_text())
+        assert got["launched"] == {"worker:0": "0,1", "worker:1": "2,3"}, got
+        mine = got["mirrored"]
+        assert mine["cards"] == 2 and mine["transport"] == "nccl", mine
+        assert mine["replicas"] == 2, mine
+        assert mine["devices"] == [GPU.format(0), GPU.format(1)], mine

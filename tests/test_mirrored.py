@@ -34,6 +34,10 @@ def test_equals_single_device_training(n, sparse_as_dense, tmp_path):
         assert max(result[name]) <= TOLERANCE, (name, result[name])
         assert result[f"{name}_iterations"] == 24
         assert result[f"{name}_predict_rows"] == 8 * n * 24
+        # Every replica's copy, and evaluate and predict, as on one device.
+        assert result[f"{name}_replica_copies"] == n
+        assert max(result[f"{name}_replicas"]) <= TOLERANCE, (name, result[f"{name}_replicas"])
+        assert max(result[f"{name}_evaluate"] + result[f"{name}_predict"]) <= TOLERANCE, result
     sent = result["traced"]
     table = [1000, 8]
     dense_packs = [shapes for kind, shapes in sent if kind == "all_reduce"]

@@ -138,3 +138,41 @@ def ps_pid() -> int:
                 if task.get("type") == "ps" and config["cluster"]["ps"][0] == address:
                     return int(pid)
     raise RuntimeError(f"no process serves ps:0 at {address}")
+
+
+def npz_weights(npz, name) -> list:
+    """The weights `collective_equiv.py` saved for run `name` (NAME/w0, NAME/w1, ...)."""
+    keys = sorted(
+        (k for k in npz.files if k.startswith(f"{name}/w")), key=lambda k: int(k[len(name) + 2 :])
+    )
+    return [npz[k] for k in keys]
+
+
+def check_collective_equiv(results: list, ref, tolerance: float) -> None:
+    """Every worker's `collective_equiv.py` results against the one-device reference `ref`:
+    the tf.data run with steps_per_execution=3 (weights, 12 steps), and the SGD+momentum and
+    Adam runs (weights, iterations, evaluate, predict, val_loss); each example seen as often as
+    on one device in a shuffled epoch; the workers' weights within 1e-6 of each other."""
+    for i, r in enumerate(results):  # tf.data, steps_per_execution=3
+        errs = relative_errors(npz_weights(r, "dataset"), npz_weights(ref, "dataset"))
+        assert max(errs) <= tolerance, ("dataset", i, errs)
+        assert int(r["dataset/iterations"]) == 12
+    seen = ref["shuffle/times_seen"]
+    np.testing.assert_allclose(seen, seen[0], rtol=1e-5)  # one device: each example alike
+    for name in ("sgdm", "adam"):
+        for i, r in enumerate(results):
+            errs = relative_errors(npz_weights(r, name), npz_weights(ref, name))
+            assert max(errs) <= tolerance, (name, i, errs)
+            assert int(r[f"{name}/iterations"]) == int(ref[f"{name}/iterations"])
+            np.testing.assert_allclose(r[f"{name}/evaluate"], ref[f"{name}/evaluate"], rtol=1e-5)
+            np.testing.assert_allclose(r[f"{name}/predict"], ref[f"{name}/predict"], atol=1e-5)
+            np.testing.assert_allclose(r[f"{name}/val_loss"], ref[f"{name}/val_loss"], rtol=1e-5)
+    # Every example seen as often as on one device in a shuffled epoch: the workers drew one
+    # shared permutation (else some examples are seen twice and others never).
+    for r in results:
+        np.testing.assert_allclose(r["shuffle/times_seen"], seen, rtol=1e-5)
+    for name in ("sgdm", "adam"):
+        # The workers agree with each other too.
+        for r in results[1:]:
+            errs = relative_errors(npz_weights(r, name), npz_weights(results[0], name))
+            assert max(errs) <= 1e-6, (name, errs)

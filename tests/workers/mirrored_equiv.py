@@ -8,6 +8,8 @@ Usage: python mirrored_equiv.py N|gpu SPARSE_AS_DENSE OUT.json
 import json
 import sys
 
+import numpy as np
+
 import tfstrat
 
 GPU, OUT = sys.argv[1] == "gpu", sys.argv[3]
@@ -26,24 +28,34 @@ from common import build_model, compile_model, data, optimizer, relative_errors 
 
 GLOBAL_BATCH, STEPS = 8 * N, 24
 x, y = data(GLOBAL_BATCH * STEPS)
-strategy = tfstrat.MirroredNCCL(
-    sparse_as_dense=SPARSE_AS_DENSE, timeout=60, communication="nccl" if GPU else "auto"
-)
-result = {"replicas": strategy.num_replicas_in_sync}
+# "auto" on GPUs too: NCCL is what it chooses there (what ran is NCCL's own log's to say).
+strategy = tfstrat.MirroredNCCL(sparse_as_dense=SPARSE_AS_DENSE, timeout=60)
+implementation = strategy.extended._communication_options.implementation
+result = {"replicas": strategy.num_replicas_in_sync, "transport": implementation.name.lower()}
 for name in ("sgdm", "adam"):
-    weights = {}
+    weights, evaluated, predicted = {}, {}, {}
     for kind, strat in (("ref", tf.distribute.get_strategy()), ("mirrored", strategy)):
         with strat.scope():
             model = compile_model(build_model(), optimizer(name, densify=kind == "ref"))
         model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
         weights[kind] = [v.numpy() for v in model.weights]
+        evaluated[kind] = model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0)
+        predicted[kind] = model.predict(x, batch_size=GLOBAL_BATCH, verbose=0)
         if kind == "mirrored":
             result[f"{name}_iterations"] = int(model.optimizer.iterations.numpy())
-            result[f"{name}_evaluate"] = model.evaluate(x, y, batch_size=GLOBAL_BATCH, verbose=0)
-            result[f"{name}_predict_rows"] = int(
-                model.predict(x, batch_size=GLOBAL_BATCH, verbose=0).shape[0]
-            )
+            result[f"{name}_predict_rows"] = int(predicted[kind].shape[0])
+            # Every replica's copy of every variable, not only the one `numpy()` reads.
+            copies = [strategy.experimental_local_results(v.value) for v in model.weights]
+            result[f"{name}_replica_copies"] = len(copies[0])
+            result[f"{name}_replicas"] = [
+                max(relative_errors([c[r].numpy() for c in copies], weights["ref"]))
+                for r in range(len(copies[0]))
+            ]
     result[name] = relative_errors(weights["mirrored"], weights["ref"])
+    result[f"{name}_evaluate"] = relative_errors(
+        [np.array(evaluated["mirrored"])], [np.array(evaluated["ref"])]
+    )
+    result[f"{name}_predict"] = relative_errors([predicted["mirrored"]], [predicted["ref"]])
 result["decisions"] = [list(d) for d in strategy.density.decisions]
 result["traced"] = getattr(strategy.extended._cross_device_ops, "traced", None)
 json.dump(result, open(OUT, "w"))
