@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 from cluster import launch_script
-from common import check_collective_equiv, relative_errors
+from common import check_collective_equiv, check_mixed_precision, relative_errors
 from gpus import requires_gpus
 from paths import WORKERS
 
@@ -114,17 +114,37 @@ def test_ps_strategies_compute_on_the_workers_gpus(tmp_path, script):
         assert "computing on device:GPU:0" in out, out[-3000:]
 
 
+POLICIES = ["float32", "mixed_float16", "mixed_bfloat16"]
+
+
 def test_mixed_precision_skips_one_workers_overflow_on_gpus(tmp_path):
-    """mixed_float16 on one GPU per worker: one worker's overflow skips the step on both."""
-    _run("mixed_precision.py", str(tmp_path), "reference", "mixed_float16")
+    """float32 with a LossScaleOptimizer, mixed_float16 and mixed_bfloat16 on one GPU per
+    worker: one worker's overflow skips the step on both, and the weights are within each
+    policy's rounding of one device's (the CPU tier's own check)."""
+    _run("mixed_precision.py", str(tmp_path), "reference", *POLICIES)
     code, out = launch_script(
-        "mixed_precision.py", str(tmp_path), "collective", "mixed_float16", workers=2, env=FP32
+        "mixed_precision.py", str(tmp_path), "collective", *POLICIES, workers=2, env=FP32
     )
     assert code == 0, out[-6000:]
-    ref = json.loads((tmp_path / "reference.json").read_text())
     for i in range(2):
-        mine = json.loads((tmp_path / f"collective_worker_{i}.json").read_text())
-        assert mine == ref, (i, mine, ref)
+        check_mixed_precision(tmp_path, f"collective_worker_{i}", tmp_path)
+
+
+def test_model_parallel_in_bfloat16_over_nccl_on_gpus(tmp_path):
+    """ModelParallel on a (1, 2) mesh of two GPUs, the table split, under every policy:
+    mixed_bfloat16's sums cross NCCL as float32 (NCCL has no bfloat16 kernel), and the loss
+    scales, skips and weights are one device's."""
+    _run("mixed_precision.py", str(tmp_path), "reference", *POLICIES)
+    proc = subprocess.run(
+        [sys.executable, "mixed_precision.py", str(tmp_path), "modelparallel", *POLICIES],
+        cwd=WORKERS,
+        capture_output=True,
+        text=True,
+        timeout=500,
+        env={**os.environ, **FP32, "TFSTRAT_TEST_MESH_DEVICES": "gpu"},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    check_mixed_precision(tmp_path, "modelparallel", tmp_path)
 
 
 @pytest.mark.parametrize(

@@ -47,13 +47,20 @@ import tfstrat  # noqa: E402
 
 if args.kind == "mirrored":
     tfstrat.split_cpu(2)
-if args.kind == "modelparallel":
+# TFSTRAT_TEST_MESH_DEVICES=gpu: ModelParallel on a (1, 2) mesh of two GPUs (their sums over
+# NCCL, bfloat16 carried as float32) instead of (2, 2) logical CPUs.
+MESH_GPUS = os.environ.get("TFSTRAT_TEST_MESH_DEVICES") == "gpu"
+if args.kind == "modelparallel" and not MESH_GPUS:
     tfstrat.split_cpu(4)
 
 
 def model_parallel():
-    """A (2, 2) mesh: 2 slices of the batch x the table split by rows (vocabulary-parallel)."""
-    mesh = tfstrat.DeviceMesh((2, 2), ["batch", "model"])
+    """A (2, 2) mesh: 2 slices of the batch x the table split by rows (vocabulary-parallel);
+    (1, 2) of two GPUs under TFSTRAT_TEST_MESH_DEVICES=gpu."""
+    if MESH_GPUS:
+        mesh = tfstrat.DeviceMesh((1, 2), ["batch", "model"], devices=["gpu:0", "gpu:1"])
+    else:
+        mesh = tfstrat.DeviceMesh((2, 2), ["batch", "model"])
     layout = tfstrat.LayoutMap(mesh)
     layout["table/embeddings"] = ("model", None)
     return tfstrat.ModelParallel(layout_map=layout, batch_dim_name="batch")
