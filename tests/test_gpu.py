@@ -15,6 +15,7 @@ from cluster import launch_script
 from common import check_collective_equiv, check_mixed_precision, relative_errors
 from gpus import requires_gpus
 from paths import WORKERS
+from soak import check
 
 pytestmark = [*requires_gpus(2), pytest.mark.timeout(600)]
 
@@ -171,3 +172,34 @@ def test_model_parallel_sums_over_nccl_on_gpus(tmp_path, model, mesh):
     for key in ("weights", "slots", "predict", "evaluate"):
         assert case[key] <= TOLERANCE, (key, case[key])
     assert all("GPU" in device for _, _, parts, _ in case["held"] for device, _ in parts), case
+
+
+@pytest.mark.parametrize(
+    "kind, workers, per_worker",
+    [
+        ("mirrored", 0, 2),
+        ("car", 2, 1),
+        pytest.param("car", 2, 2, marks=requires_gpus(4), id="car-2x2"),
+    ],
+    ids=["mirrored", "car-1", "car-2x2"],
+)
+def test_two_thousand_steps_keep_threads_and_files_flat_on_gpus(
+    tmp_path, kind, workers, per_worker
+):
+    """2,000 steps with steps_per_execution 1 and 3, TensorFlow's collectives inside every
+    step (NCCL): no thread per collective op, no hang (tests/workers/soak_run.py, as the CPU
+    soak smoke: a run that grows by 400 threads is stopped and fails here)."""
+    steps = 2000
+    args = ["soak_run.py", str(tmp_path), kind, "--steps", str(steps), "--spe", "1,3"]
+    args += ["--every", "50", "--max-threads", "400", "--gpus"]
+    if workers:
+        gpus = [str(i) for i in range(workers * per_worker)]
+        code, out = launch_script(*args, workers=workers, env=FP32, gpus=gpus, timeout=550)
+        assert code == 0, out[-6000:]
+    else:
+        _run(*args)
+    reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("*.json"))]
+    assert len(reports) == (workers or 1), reports
+    for r in reports:
+        assert [p["spe"] for p in r["phases"]] == [1, 3], r["phases"]
+    print("\n".join(check(reports, steps, warmup=100)))

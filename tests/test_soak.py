@@ -19,34 +19,13 @@ from __future__ import annotations
 import sys
 
 import pytest
-from soak import PATHS, growth, rss_growth, run
+from soak import PATHS, THREADS, check, rss_growth, run
 
-THREADS, FILES = 50, 10  # the most a run may grow by
 RSS_GROWTH = 0.05  # the soak's bound on resident memory, first quarter to last
 # A sample this far above the first stops the run: a leak of a thread per op passes it within
 # a few hundred steps; a healthy run's epoch-end pipelines, freed by Python's cyclic
 # collector, reach +140 (the one-device paths' sawtooth, docs/benchmarks.md "Long runs").
 STOP_AT = 8 * THREADS
-
-
-def check(reports: list[dict], steps: int, warmup: int) -> list[str]:
-    """Every task's phases: trained to the end, threads and files flat. Returns lines for
-    the failure message and the log: task, steps_per_execution, growth."""
-    lines, bad = [], []
-    for r in reports:
-        for p in r["phases"]:
-            threads = growth(p["samples"], "threads", warmup)
-            files = growth(p["samples"], "files", warmup)
-            line = (
-                f"{r['task']} spe {p['spe']}: {p['steps']} steps, threads "
-                f"{p['samples'][0]['threads']} -> {p['samples'][-1]['threads']} "
-                f"(growth {threads:+.0f}), files growth {files:+.0f}, stopped={p['stopped']}"
-            )
-            lines.append(line)
-            if p["stopped"] or p["steps"] < steps or threads >= THREADS or files >= FILES:
-                bad.append(line)
-    assert not bad, "\n".join(["grew or stopped early:", *bad, "every phase:", *lines])
-    return lines
 
 
 @pytest.mark.cluster

@@ -9,6 +9,8 @@ import statistics
 
 from cluster import launch_script, run_script
 
+THREADS, FILES = 50, 10  # the most a run may grow by
+
 # path -> (kind, devices per worker, steps_per_execution phases, ps tasks, workers; 0: one
 # process)
 PATHS = {
@@ -55,3 +57,23 @@ def rss_growth(samples: list[dict], warmup: int) -> tuple[float, float]:
     rss = [s["rss_kib"] for s in samples if s["step"] >= warmup]
     quarter = len(rss) // 4
     return statistics.median(rss[:quarter]), statistics.median(rss[-quarter:])
+
+
+def check(reports: list[dict], steps: int, warmup: int) -> list[str]:
+    """Every task's phases: trained to the end, threads and files flat. Returns lines for
+    the failure message and the log: task, steps_per_execution, growth."""
+    lines, bad = [], []
+    for r in reports:
+        for p in r["phases"]:
+            threads = growth(p["samples"], "threads", warmup)
+            files = growth(p["samples"], "files", warmup)
+            line = (
+                f"{r['task']} spe {p['spe']}: {p['steps']} steps, threads "
+                f"{p['samples'][0]['threads']} -> {p['samples'][-1]['threads']} "
+                f"(growth {threads:+.0f}), files growth {files:+.0f}, stopped={p['stopped']}"
+            )
+            lines.append(line)
+            if p["stopped"] or p["steps"] < steps or threads >= THREADS or files >= FILES:
+                bad.append(line)
+    assert not bad, "\n".join(["grew or stopped early:", *bad, "every phase:", *lines])
+    return lines

@@ -3,11 +3,12 @@ trains a small Embedding + Dense model for many steps and samples this process's
 open files, resident memory and step time as it goes.
 
 Usage: python soak_run.py OUT_DIR KIND --steps N [--spe K[,K...]] [--devices D] [--every S]
-       [--max-threads G] [--timeout T]
+       [--max-threads G] [--timeout T] [--gpus]
 
 KIND: car (CollectiveAllReduce; `--communication ring` for TensorFlow's ring with one device),
 hybrid (with or without ps tasks), localsgd, ps (ParameterServer sync), mirrored (MirroredNCCL
-over D logical CPUs, one process; stock-mirrored: TensorFlow's MirroredStrategy so), model-parallel (ModelParallel on a (1, D) mesh, one process).
+over D logical CPUs, one process; stock-mirrored: TensorFlow's MirroredStrategy so), model-parallel (ModelParallel on a (1, D) mesh, one process). `--gpus` (car and
+mirrored): on every GPU the task sees instead of logical CPUs.
 
 Each K of `--spe` is a phase: the model compiled with steps_per_execution K, then N steps of
 `fit`. Every S steps (at a batch end) a sample {step, threads, open files, RSS KiB, time, traces
@@ -35,15 +36,24 @@ parser.add_argument("--timeout", type=float, default=60)
 parser.add_argument("--communication", default="auto")
 parser.add_argument("--rows", type=int, default=1536)
 parser.add_argument("--batch", type=int, default=32)
+parser.add_argument("--gpus", action="store_true", help="car, mirrored: on the visible GPUs")
 args = parser.parse_args()
 
 import tfstrat  # noqa: E402
 
-if args.devices > 1 or args.kind in ("mirrored", "stock-mirrored", "model-parallel"):
+if args.gpus and args.kind not in ("car", "mirrored"):
+    raise SystemExit(f"--gpus: only car and mirrored run on GPUs here, not {args.kind!r}")
+if not args.gpus and (
+    args.devices > 1 or args.kind in ("mirrored", "stock-mirrored", "model-parallel")
+):
     tfstrat.split_cpu(max(args.devices, 2))
 devices = [f"/cpu:{i}" for i in range(args.devices)] if args.devices > 1 else None
+if args.gpus:  # every GPU this task sees (`tfstrat launch` bound them), as users run
+    devices = None
 kind = args.kind
-if kind == "car":
+if kind == "mirrored" and args.gpus:
+    strategy = tfstrat.MirroredNCCL(timeout=args.timeout)
+elif kind == "car":
     strategy = tfstrat.CollectiveAllReduce(
         timeout=args.timeout, devices=devices, communication=args.communication
     )
