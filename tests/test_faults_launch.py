@@ -319,12 +319,14 @@ def test_worker_that_exits_0_mid_run_is_blamed():
 
 @pytest.mark.cluster
 @pytest.mark.timeout(START_SLACK + TIMEOUT + 15 + 60)
-@pytest.mark.parametrize("mode", ["sigstop", "late", "exit0"])
+@pytest.mark.parametrize("mode", ["sigstop", "late"])
 def test_a_faulty_peer_in_tensorflows_collectives_is_named_within_the_timeout(mode):
     """Two devices per worker and steps_per_execution 2: the step's gradients go over
     TensorFlow's collectives, which carry no per-op timeout; the process's watchdog ends worker
     0's wait after `timeout` naming worker 1: stopped (SIGSTOP: its gRPC server does not
-    answer), late (asleep in a callback: it answers but does not join), or gone (exit 0)."""
+    answer) or late (asleep in a callback: it answers but does not join). A peer gone (exit 0)
+    is noticed as a stopped one is (`faults_launch_peer.py exit0 T 2` runs it; the test above
+    runs it on one device)."""
     code, out, lines, end = _launch(
         "faults_launch_peer.py",
         mode,
@@ -340,7 +342,6 @@ def test_a_faulty_peer_in_tensorflows_collectives_is_named_within_the_timeout(mo
     said = {
         "sigstop": ["do not answer (dead, stopped or cut off): worker:1", "stopped sending heart"],
         "late": ["every peer answers, and worker:1 (/job:worker/replica:0/task:1) did not join"],
-        "exit0": ["do not answer (dead, stopped or cut off): worker:1", "task:1"],
     }[mode]
     assert any(s in out for s in said), out[-6000:]
 

@@ -24,10 +24,12 @@ PATHS = {
 }
 
 
-def run(path: str, out, steps: int, every: int, stop_at: int) -> list[dict]:
-    """Trains `path` for `steps` steps per phase, sampling every `every` steps, stopping a
-    phase whose threads grew by more than `stop_at`; every task's report."""
-    kind, devices, spe, ps, workers = PATHS[path]
+def run(path: str, out, steps: int, every: int, stop_at: int, spe: str | None = None) -> list[dict]:
+    """Trains `path` for `steps` steps per phase (`spe`: its steps_per_execution phases
+    instead of the path's), sampling every `every` steps, stopping a phase whose threads grew
+    by more than `stop_at`; every task's report."""
+    kind, devices, phases, ps, workers = PATHS[path]
+    spe = spe or phases
     args = ["soak_run.py", str(out), kind, "--steps", str(steps), "--spe", spe]
     args += ["--devices", str(devices), "--every", str(every), "--max-threads", str(stop_at)]
     timeout = 400 + steps * 0.06  # start-up, and a slow path's 25 ms a step with slack
