@@ -33,16 +33,19 @@ def nccl_ranks(out: str) -> int:
     return sum(1 for line in out.splitlines() if "NCCL INFO" in line and "Init COMPLETE" in line)
 
 
-def _run(*args) -> str:
-    """`python ARGS...` in tests/workers, float32 on the GPUs; its output (stdout, then
-    stderr: NCCL writes its log to stdout, TensorFlow to stderr)."""
+MESH_GPUS = {"TFSTRAT_TEST_MESH_DEVICES": "gpu"}  # the workers' meshes of GPUs
+
+
+def _run(*args, env=None) -> str:
+    """`python ARGS...` in tests/workers, float32 on the GPUs (and `env`); its output (stdout,
+    then stderr: NCCL writes its log to stdout, TensorFlow to stderr)."""
     proc = subprocess.run(
         [sys.executable, *args],
         cwd=WORKERS,
         capture_output=True,
         text=True,
         timeout=500,
-        env={**os.environ, **FP32},
+        env={**os.environ, **FP32, **(env or {})},
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout + proc.stderr
@@ -136,15 +139,7 @@ def test_model_parallel_in_bfloat16_over_nccl_on_gpus(tmp_path):
     mixed_bfloat16's sums cross NCCL as float32 (NCCL has no bfloat16 kernel), and the loss
     scales, skips and weights are one device's."""
     _run("mixed_precision.py", str(tmp_path), "reference", *POLICIES)
-    proc = subprocess.run(
-        [sys.executable, "mixed_precision.py", str(tmp_path), "modelparallel", *POLICIES],
-        cwd=WORKERS,
-        capture_output=True,
-        text=True,
-        timeout=500,
-        env={**os.environ, **FP32, "TFSTRAT_TEST_MESH_DEVICES": "gpu"},
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _run("mixed_precision.py", str(tmp_path), "modelparallel", *POLICIES, env=MESH_GPUS)
     check_mixed_precision(tmp_path, "modelparallel", tmp_path)
 
 
@@ -156,17 +151,9 @@ def test_model_parallel_sums_over_nccl_on_gpus(tmp_path, model, mesh):
     the step's sums over the batch axis (2, 1) and FSDP's reduce-scatter over it are NCCL
     all-reduces (not copies added on each GPU), and training equals one device."""
     out = tmp_path / "result.json"
-    proc = subprocess.run(
-        [sys.executable, "model_parallel_equiv.py", model, mesh, "adam-clip", str(out)],
-        cwd=WORKERS,
-        capture_output=True,
-        text=True,
-        timeout=500,
-        env={**os.environ, **FP32, "TFSTRAT_TEST_MESH_DEVICES": "gpu"},
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ran = _run("model_parallel_equiv.py", model, mesh, "adam-clip", str(out), env=MESH_GPUS)
     line = "(its sums: NCCL)" if mesh == "1x2" else "sums the batch axis in this process over NCCL"
-    assert line in proc.stderr, proc.stderr[-3000:]
+    assert line in ran, ran[-3000:]
     (case,) = json.loads(out.read_text())["cases"]
     assert case["graph"]["nccl_all_reduce"] > 0, case["graph"]
     for key in ("weights", "slots", "predict", "evaluate"):
