@@ -30,8 +30,8 @@ def main(config: dict) -> dict:
         communication = "ring" if config["impl"] == "tfstrat-grpc" else "auto"  # -tcp: env
         strategy = tfstrat.CollectiveAllReduce(timeout=120, communication=communication)
     else:
-        options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=120)
-        strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+        # TensorFlow's defaults: timeout_seconds would start a thread per collective op.
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
     results = []
     empty = tf.function(lambda: tf.numpy_function(lambda: np.int32(0), [], tf.int32, stateful=True))
     for _ in range(3):

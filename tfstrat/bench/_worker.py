@@ -111,8 +111,9 @@ def _strategy(tf, name: str, devices: int):
         resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
         return tf.distribute.experimental.ParameterServerStrategy(resolver)
     if name in ("tfkeras-mwms", "keras3-mwms"):
-        options = tf.distribute.experimental.CommunicationOptions(timeout_seconds=120)
-        return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+        # TensorFlow's defaults, as its users run: a per-op timeout_seconds would start a
+        # thread per collective op and slow the peer down (the launch's timeout ends a hang).
+        return tf.distribute.MultiWorkerMirroredStrategy()
     raise UsageError(f"Received: strategy={name!r}. Unknown benchmark strategy.")
 
 
