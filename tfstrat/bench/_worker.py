@@ -201,15 +201,14 @@ def examples_in_memory(config: dict, global_batch: int, available: int) -> int:
     else:
         each = 4 * 3 * int(config["image"]) ** 2 + 4
     held_out = each * HELD_OUT if config.get("accuracy") else 0
-    share = available // 2 // max(1, int(config.get("host_processes", 1)))
+    processes = max(1, int(config.get("host_processes", 1)))
+    share = available // 2 // processes
     fit = (share - held_out) // (2 * each) // global_batch * global_batch
     if fit < global_batch:
-        need = (
-            (2 * each * global_batch + held_out) * 2 * max(1, int(config.get("host_processes", 1)))
-        )
+        need = (2 * each * global_batch + held_out) * 2 * processes
         raise UsageError(
             f"Received: a global batch of {global_batch:,} examples of {each:,} bytes in each "
-            f"of {config.get('host_processes', 1)} process(es), which needs about "
+            f"of {processes} process(es), which needs about "
             f"{need / 2**30:.1f} GiB of host memory; this host has {available / 2**30:.1f} GiB "
             "available. Use a smaller --batch-per-device or --image, or fewer workers per host."
         )
@@ -218,7 +217,7 @@ def examples_in_memory(config: dict, global_batch: int, available: int) -> int:
 
 def _data(tf, np, config: dict, global_batch: int):
     rng = np.random.default_rng(0)
-    n = config.get("examples") or examples_in_memory(config, global_batch, _available_bytes())
+    n = config["examples"]  # `examples_in_memory`, sized once in `main`
     if config.get("accuracy"):  # learnable labels; accuracy measured on held-out images
         seed = int(config.get("seed", 0))  # 0: the data every earlier run used
         x, y = _teacher_data(np, 1000 + seed if seed else 0, n, int(config["image"]))

@@ -196,7 +196,7 @@ def uuids(environ: Mapping[str, str] | None = None, driver: str | None = None) -
 
 def shared(records: Mapping[str, Sequence[str]]) -> dict[str, list[str]]:
     """{GPU UUID: the tasks that see it} for every GPU that more than one task of `records`
-    ({task: its GPUs' UUIDs}, the tasks of one machine) sees.
+    ({task: its GPUs' UUIDs}; UUIDs are unique to a card, so tasks of any machines) sees.
 
     Example:
         >>> shared({"worker:0": ["GPU-a", "GPU-b"], "worker:1": ["GPU-b"]})
