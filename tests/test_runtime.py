@@ -167,8 +167,9 @@ def test_task_env_rejects_an_unknown_switch_value_naming_it():
 def test_fits_dataset_iterators_are_destroyed_off_the_training_thread():
     """TensorFlow's iterator destructor can wait seconds for the pipeline's autotuner (an epoch
     started up to 36 s late with two devices): under a tfstrat strategy every iterator of `fit`
-    and its validation goes on tfstrat's release thread; stock Keras's go on the training
-    thread (the control, run first in the same process)."""
+    and its validation goes on tfstrat's release thread, with Python's cyclic collector off
+    (nothing of it waits in a reference cycle for a collection on some other thread); stock
+    Keras's go on the training thread (the control, run first in the same process)."""
     p = subprocess.run(
         [PY, str(WORKERS / "iterator_release.py")],
         env=_env(),

@@ -153,18 +153,20 @@ def layout_map(mesh):
 
 
 def strategy_for(shape):
+    """(ModelParallel on a mesh of `shape`, its layout map)."""
     if ON_WORKERS:  # every worker's devices, by rank
         mesh = tfstrat.DeviceMesh(shape, ["batch", "model"])
     else:
         kind = "GPU" if os.environ.get("TFSTRAT_TEST_MESH_DEVICES") == "gpu" else "CPU"
         devices = [f"/device:{kind}:{i}" for i in range(int(np.prod(shape)))]
         mesh = tfstrat.DeviceMesh(shape, ["batch", "model"], devices=devices)
-    return tfstrat.ModelParallel(layout_map=layout_map(mesh), batch_dim_name="batch")
+    layout = layout_map(mesh)
+    return tfstrat.ModelParallel(layout_map=layout, batch_dim_name="batch"), layout
 
 
 if ON_WORKERS:  # the strategy first, before any TensorFlow op
     (ONLY,) = MESHES.split(",")
-    WORKER_STRATEGY = strategy_for(tuple(int(s) for s in ONLY.split("x")))
+    WORKER_STRATEGY, WORKER_LAYOUT = strategy_for(tuple(int(s) for s in ONLY.split("x")))
 
 
 def same_weights(opt, model):
@@ -175,7 +177,44 @@ def same_weights(opt, model):
 
 
 def diff(a, b) -> float:
+    """The largest difference of two lists of arrays or variables, which must be as long and,
+    for variables, hold the same paths in the same order (a missing or extra optimizer variable
+    is an error, not a shorter comparison)."""
+    a, b = list(a), list(b)
+    names = [[getattr(v, "path", None) for v in side] for side in (a, b)]
+    if len(a) != len(b) or names[0] != names[1]:
+        raise SystemExit(f"diff: the lists differ: {len(a)} entries {names[0]}, {len(b)} {names[1]}")
     return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(a, b))
+
+
+def planned(model, layout, shape) -> list:
+    """What the layout map asks for, read from the map alone (its rules matched with
+    re.fullmatch, as Keras's LayoutMap does), not from what tfstrat sharded: (path, whole bytes,
+    [devices of the model axis, of the batch axis]) of every model variable and optimizer
+    variable split at least two ways. An optimizer slot follows its variable (Keras names it
+    `<optimizer>/<variable path with _ for />_<slot>`)."""
+    import re
+
+    batch, model_axis = shape
+
+    def ways(path):
+        rules = [k for k in layout.keys() if re.fullmatch(k, path)]
+        if not rules:
+            return [1, 1]
+        axes = tuple(getattr(layout[rules[0]], "axes", layout[rules[0]]))
+        return [model_axis if "model" in axes else 1, batch if "batch" in axes else 1]
+
+    weights = {v.path: ways(v.path) for v in model.weights}
+    out = []
+    for v in list(model.weights) + list(model.optimizer.variables):
+        split = weights.get(v.path)
+        if split is None:  # a slot: the variable whose name it carries, the longest match
+            name = v.path.split("/", 1)[-1]
+            owners = [p for p in weights if name.startswith(p.replace("/", "_") + "_")]
+            split = weights[max(owners, key=len)] if owners else [1, 1]
+        if split[0] * split[1] > 1:
+            out.append([v.path, int(np.prod(v.shape)) * 4, split])
+    return out
 
 
 def held(model) -> list:
@@ -209,7 +248,7 @@ for opt in OPTIMIZERS.split(","):
     ref_loss = reference.evaluate(x, y, batch_size=BATCH, verbose=0)[0]
     for text in MESHES.split(","):
         shape = tuple(int(s) for s in text.split("x"))
-        strategy = WORKER_STRATEGY if ON_WORKERS else strategy_for(shape)
+        strategy, layout = (WORKER_STRATEGY, WORKER_LAYOUT) if ON_WORKERS else strategy_for(shape)
         with strategy.scope():
             model = build(opt)
         start = model.get_weights()
@@ -234,6 +273,7 @@ for opt in OPTIMIZERS.split(","):
                 "predict_scale": float(np.max(np.abs(ref_predict))),
                 "evaluate": abs(ref_loss - model.evaluate(x, y, batch_size=BATCH, verbose=0)[0]),
                 "held": held(model),
+                "planned": planned(model, layout, shape),
                 "graph": graphs.summary(model),
                 "digest": hashlib.sha1(
                     b"".join(np.asarray(w).tobytes() for w in model.get_weights())
@@ -257,6 +297,7 @@ for opt in OPTIMIZERS.split(","):
                 reference.optimizer.variables, loaded.optimizer.variables
             )
             results["loaded_held"] = held(loaded)
+            results["loaded_planned"] = planned(loaded, layout, shape)
 
             class Interrupt(keras.callbacks.Callback):
                 def on_epoch_end(self, epoch, logs=None):
