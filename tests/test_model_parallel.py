@@ -77,8 +77,13 @@ def _check_held(name, held, planned, devices):
     add up to the plan's."""
     got = {path: (whole, parts, ways) for path, whole, parts, ways in held}
     want = {path: (whole, ways) for path, whole, ways in planned}
-    assert sorted(got) == sorted(want), (name, "split but not planned", sorted(set(got) - set(want)),
-                                         "planned but not split", sorted(set(want) - set(got)))
+    assert sorted(got) == sorted(want), (
+        name,
+        "split but not planned",
+        sorted(set(got) - set(want)),
+        "planned but not split",
+        sorted(set(want) - set(got)),
+    )
     per_device, planned_per_device = {}, 0
     for path, (whole, ways) in want.items():
         held_whole, parts, held_ways = got[path]
@@ -93,7 +98,7 @@ def _check_held(name, held, planned, devices):
 
 
 @pytest.mark.timeout(600)
-def test_mlp_on_every_mesh_with_checkpoints(tmp_path):
+def test_mlp_on_1x2_and_2x2_with_checkpoints(tmp_path):
     """Column- then row-parallel Dense: meshes (1, 2) and (2, 2), Adam with global_clipnorm
     (the norm over all parts); model.save loads into plain Keras and back, and
     BackupAndRestore resumes exactly. ((2, 1) and SGD with momentum: the matrix.)"""

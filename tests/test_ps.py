@@ -139,6 +139,28 @@ def test_backup_workers_drop_the_stale_gradients_of_a_held_worker(tmp_path):
 
 
 @pytest.mark.cluster
+def test_async_applies_each_workers_own_gradients(tmp_path):
+    """Async: each worker's rows move one half of a table that the other worker's rows never
+    touch (workers/ps_async_rows.py), so whatever the order of the two workers' updates, each
+    half must end as one device training on that worker's rows alone: a ps that dropped one
+    worker's gradients, or applied one twice, fails here though the step counter (which counts
+    updates, not what they applied) and the digits' accuracy would not see it."""
+    run_script("ps_async_rows.py", str(tmp_path), "--reference")
+    code, log = launch_script("ps_async_rows.py", str(tmp_path), workers=2, ps=1)
+    assert code == 0, log[-6000:]
+    want = np.load(tmp_path / "reference.npz")
+    moved = np.abs(want["worker_0"][:10] - want["worker_1"][:10]).max()
+    assert moved > 0.05, "each worker's reference moves its own half"
+    for w in (0, 1):
+        got = np.load(tmp_path / f"worker_{w}.npz")
+        assert int(got["iterations"]) == 2 * 20, (w, int(got["iterations"]))
+        table = got["table"]
+        for half, rows in ((0, slice(0, 10)), (1, slice(10, 20))):
+            err = np.abs(table[rows] - want[f"worker_{half}"][rows]).max()
+            assert err <= TOLERANCE, (f"worker {w} reads the rows of worker {half}", err)
+
+
+@pytest.mark.cluster
 def test_async_reaches_the_accuracy_of_sync_on_digits(tmp_path):
     accuracy = {}
     for mode in ("sync", "async"):

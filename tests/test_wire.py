@@ -10,6 +10,7 @@ import collections
 import json
 import logging
 import os
+import re
 import socket
 import struct
 import threading
@@ -269,6 +270,28 @@ def test_fuzz_calls_with_wrong_arrays_keep_the_connection(server, method, arrays
     then still serves. (`create` is left out: a generated size could take the machine's
     memory, which is a ps's job to hold.)"""
     _check_call(server, method, arrays)
+
+
+@pytest.mark.parametrize(
+    "method, arrays, named",
+    [
+        ("lookup", [np.int64(1)], "lookup takes (table, ids, step), not 1 array(s)"),
+        ("read", [np.int64(1), np.int64(0), np.int64(2), np.int64(0), np.int64(0)], "read takes (table, lo, hi, step), not 5"),
+        ("read", [np.int64(1), np.array([0, 1], np.int64), np.int64(2), np.int64(0)],
+         "read: lo is a single integer, not an array of shape (2,)"),
+    ],
+)  # fmt: skip
+def test_a_call_with_the_wrong_arrays_is_refused_naming_the_arguments(
+    server, method, arrays, named
+):
+    """The cases the fuzzers above find only when they happen to draw them: a missing or
+    extra array, an array where a number belongs, refused by name before the method runs."""
+    _, worker = server
+    _create_fuzzed(worker)
+    worker.send(method, *arrays)
+    with pytest.raises(wire.TableServerError, match=re.escape(named)):
+        worker.receive(method)
+    _still_serves(worker)
 
 
 def _check_call(server, method, arrays):

@@ -179,11 +179,14 @@ def same_weights(opt, model):
 def diff(a, b) -> float:
     """The largest difference of two lists of arrays or variables, which must be as long and,
     for variables, hold the same paths in the same order (a missing or extra optimizer variable
-    is an error, not a shorter comparison)."""
+    is an error, not a shorter comparison). An optimizer variable's path is compared without
+    the optimizer's own name (`adam/` and `adam_1/` are two instances' prefixes)."""
     a, b = list(a), list(b)
-    names = [[getattr(v, "path", None) for v in side] for side in (a, b)]
+    names = [[getattr(v, "path", "").split("/", 1)[-1] for v in side] for side in (a, b)]
     if len(a) != len(b) or names[0] != names[1]:
-        raise SystemExit(f"diff: the lists differ: {len(a)} entries {names[0]}, {len(b)} {names[1]}")
+        raise SystemExit(
+            f"diff: the lists differ: {len(a)} entries {names[0]}, {len(b)} {names[1]}"
+        )
     return max(float(np.max(np.abs(np.asarray(x) - np.asarray(y)))) for x, y in zip(a, b))
 
 
