@@ -18,10 +18,10 @@ Which pairs:
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from compat_venv import INSTALL_TIMEOUT, venv
 
 from tfstrat._compat import versions
 
@@ -37,9 +37,6 @@ CASES = (
     "tests/test_model_parallel.py::test_mlp_on_1x2_and_2x2_with_checkpoints",
     "tests/test_keras_reuse_save.py::test_strategy_twice_and_save_on_every_worker",
 )
-# What the venv needs besides the pair: what the cases import (tests/conftest.py included).
-TEST_PACKAGES = ("pytest>=8,<10", "pytest-timeout>=2.3", "hypothesis>=6.100")
-INSTALL_TIMEOUT = 600
 RUN_TIMEOUT = 900
 
 pytestmark = [pytest.mark.compat, pytest.mark.timeout(INSTALL_TIMEOUT + RUN_TIMEOUT + 60)]
@@ -74,32 +71,13 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("pair", pairs, ids=[f"tf{t}-keras{k}" for t, k in pairs])
 
 
-def _spec(name: str, release: str) -> str:
-    """`2.19` as `name==2.19.*` (the newest patch), `2.19.1` as `name==2.19.1` (and a release
-    candidate, `2.22.0rc0`, as itself)."""
-    return f"{name}=={release}.*" if release.count(".") == 1 else f"{name}=={release}"
-
-
 def _venv(tf: str, keras: str) -> Path:
-    """The pair's venv, made and installed once (a stamp file says it is complete)."""
-    venv = Path(sys.prefix) / "compat" / f"tf{tf}-keras{keras}"
-    python = venv / "bin" / "python"
-    stamp = venv / ".installed"
-    if stamp.exists():
-        return python
-    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True, timeout=120)
-    proc = subprocess.run(
-        [str(python), "-m", "pip", "install", "-qq", _spec("tensorflow", tf),
-         _spec("keras", keras), *TEST_PACKAGES],
-        capture_output=True, text=True, timeout=INSTALL_TIMEOUT,
-    )  # fmt: skip
-    assert proc.returncode == 0, (
-        f"pip could not install TensorFlow {tf} with Keras {keras} "
-        f"(is the pair on the registry, and does TensorFlow {tf} allow Keras {keras}?):\n"
-        + proc.stderr[-3000:]
-    )
-    stamp.write_text(f"tensorflow {tf}, keras {keras}\n")
-    return python
+    """The pair's venv (`compat_venv.venv`: made once, under a lock; `scripts/test` may be
+    making the oldest pair's in the background)."""
+    try:
+        return venv(tf, keras)
+    except RuntimeError as e:
+        pytest.fail(str(e))
 
 
 def _installed(python: Path) -> tuple[str, str]:
