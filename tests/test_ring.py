@@ -75,11 +75,16 @@ def _on_threads(fn, n):
         except Exception as e:  # noqa: BLE001 (handed to the test)
             errors[i] = e
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    # Daemon threads and one deadline for all: a call stuck for good (a swap that sends before
+    # receiving) fails the test here in a minute, and cannot hold pytest's exit.
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + 60
     for t in threads:
-        t.join(60)
+        t.join(max(0.0, deadline - time.monotonic()))
+    stuck = [i for i, t in enumerate(threads) if t.is_alive()]
+    assert not stuck, f"ranks {stuck} still in their call after 60 s"
     return results, errors
 
 
