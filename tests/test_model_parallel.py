@@ -31,6 +31,14 @@ def matrix_only(request):
         )
 
 
+def _tensorflow() -> tuple[int, int]:
+    """The installed TensorFlow's (major, minor), read without importing it."""
+    import importlib.metadata
+
+    major, minor = importlib.metadata.version("tensorflow").split(".")[:2]
+    return int(major), int(minor)
+
+
 def _run(tmp_path, *args, timeout=420):
     out = tmp_path / "result.json"
     proc = subprocess.run(
@@ -101,7 +109,8 @@ def _check_held(name, held, planned, devices):
 def test_mlp_on_1x2_and_2x2_with_checkpoints(tmp_path):
     """Column- then row-parallel Dense: meshes (1, 2) and (2, 2), Adam with global_clipnorm
     (the norm over all parts); model.save loads into plain Keras and back, and
-    BackupAndRestore resumes exactly. ((2, 1) and SGD with momentum: the matrix.)"""
+    BackupAndRestore resumes exactly (from TensorFlow 2.22 within 1e-6: below). ((2, 1) and SGD
+    with momentum: the matrix.)"""
     result, err = _run(tmp_path, "mlp", "1x2,2x2", "adam-clip", "--checkpoints")
     _check(result, "1x2,2x2", "adam-clip", steps=STEPS["mlp"])
     for key in ("saved_to_plain", "saved_slots_to_plain", "plain_to_sharded"):
@@ -109,7 +118,12 @@ def test_mlp_on_1x2_and_2x2_with_checkpoints(tmp_path):
     assert result["plain_to_sharded_slots"] == 0.0
     assert result["loaded_held"], "a plain Keras file loads into split variables"
     _check_held("loaded", result["loaded_held"], result["loaded_planned"], 2)
-    assert result["resumed"] == 0.0 and result["resumed_slots"] == 0.0
+    # Bit for bit through TensorFlow 2.21. A resumed run traces its step anew; from 2.22 Grappler
+    # (the meta-optimizer) rewrites the new trace, structurally the same graph, into one that
+    # sums in another order wherever the model axis is split: 3e-8 to 6e-8 off on 2.22.0rc0
+    # (exact with the meta-optimizer off, and on the (2, 1) mesh), the same every run.
+    resume = 0.0 if _tensorflow() < (2, 22) else 1e-6
+    assert result["resumed"] <= resume and result["resumed_slots"] <= resume, result["resumed"]
     # It resumed: it trained epoch 1 only (a restart from scratch ends at the same weights).
     assert result["resumed_epochs"] == [1], result["resumed_epochs"]
     assert "up (Dense): kernel (12, 16) split on dimension 1, bias (16,) split" in err
