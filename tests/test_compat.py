@@ -398,7 +398,11 @@ def test_doctor_reads_the_same_ranges():
     def check(tf, keras):
         return doctor._versions(SimpleNamespace(tensorflow_version=tf, keras_version=keras))
 
-    assert check("2.19.1", "3.10.0").status == "ok"
+    tested = check("2.19.1", "3.10.0")
+    assert tested.status == "ok" and "2.19/3.10, 2.19/3.15" in tested.text, tested
+    assert "2.21/3.15; this pair is one" in tested.text, tested
+    between = check("2.20.0", "3.12.1")
+    assert between.status == "ok" and "this pair is not one, though both releases" in between.text
     newer = check("2.21.0", "3.16.0")
     assert newer.status == "note" and "Keras 3.16.0 (tested: 3.10-3.15)" in newer.text
     old = check("2.18.0", "3.15.1")

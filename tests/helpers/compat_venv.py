@@ -5,6 +5,8 @@ suite starts and the tier then waits for it instead of making it twice.
 
     python tests/helpers/compat_venv.py          # the oldest pair of tfstrat._compat.versions.PAIRS
     python tests/helpers/compat_venv.py 2.19 3.10
+    python tests/helpers/compat_venv.py --latest  # prints the newest pair on the registry, as
+                                                  # TF/KERAS, pre-releases included
 """
 
 from __future__ import annotations
@@ -54,7 +56,33 @@ def venv(tf: str, keras: str, prefix: Path | None = None) -> Path:
     return python
 
 
+def latest() -> str:
+    """The newest TensorFlow and Keras on the registry, pre-releases included, as "TF/KERAS"
+    (pip's `index versions --pre`: its first listed version is the newest)."""
+    newest = []
+    for name in ("tensorflow", "keras"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "pip", "index", "versions", "--pre", name],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        line = next(
+            (x for x in proc.stdout.splitlines() if x.startswith("Available versions:")), ""
+        )
+        if not line:
+            raise RuntimeError(
+                f"pip index versions --pre {name} listed nothing: {proc.stderr[-500:]}"
+            )
+        newest.append(line.split(":", 1)[1].split(",")[0].strip())
+    return "/".join(newest)
+
+
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--latest"]:
+        try:
+            print(latest())
+        except RuntimeError as e:
+            sys.exit(str(e))
+        sys.exit(0)
     if len(sys.argv) == 3:
         pair = (sys.argv[1], sys.argv[2])
     else:

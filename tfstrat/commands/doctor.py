@@ -58,7 +58,22 @@ def _versions(info) -> Check:
     newer = versions.untested(info.tensorflow_version, info.keras_version)
     if newer:
         return Check("note", f"{text}: {' and '.join(newer)}, supported but not yet tested")
-    return Check("ok", text)
+    return Check("ok", f"{text} ({_tested_pairs(info.tensorflow_version, info.keras_version)})")
+
+
+def _tested_pairs(tf: str, keras: str | None) -> str:
+    """Which (TensorFlow, Keras) pairs tfstrat's tests run, and whether this one is of them."""
+    from tfstrat._compat import versions
+
+    pairs = [*versions.PAIRS, versions.NEWEST]
+    here = tuple(".".join(v.split(".")[:2]) for v in (tf, keras or ""))
+    listed = ", ".join(f"{t}/{k}" for t, k in pairs)
+    which = (
+        "this pair is one"
+        if here in pairs
+        else "this pair is not one, though both releases are in the tested ranges"
+    )
+    return f"the suite runs TensorFlow/Keras {listed}; {which}"
 
 
 def _devices(info) -> Check:
