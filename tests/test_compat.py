@@ -4,6 +4,7 @@ private import behind the seam and the packages free of import cycles."""
 
 import ast
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -410,3 +411,35 @@ def test_doctor_reads_the_same_ranges():
     assert "TensorFlow 2.18.0 (tfstrat supports tensorflow>=2.19,<3)" in old.text, old
     assert "pip install 'tensorflow>=2.19,<3' 'keras>=3.10,<4'" in old.text, old
     assert check("2.21.0", None).status == "FAIL"
+
+
+def test_a_tf_keras_model_is_refused_by_name_where_tf_keras_is_tf_keras():
+    """TF_USE_LEGACY_KERAS=1 with tf-keras installed (Ray Train's TensorflowTrainer sets the
+    variable on every worker): a `tf.keras` model compiled under a tfstrat strategy is refused
+    naming the variable, tf-keras and `import keras`, instead of training without tfstrat's
+    Keras 3 step; a Keras 3 model (`import keras`) trains in the same environment."""
+    from paths import WORKERS  # noqa: PLC0415
+
+    tf_keras = os.environ.get("TFSTRAT_TEST_TFKERAS", "")
+    if not os.path.isdir(os.path.join(tf_keras, "tf_keras")):
+        why = "tf-keras is installed by scripts/test into .venv/tfkeras (TFSTRAT_TEST_TFKERAS)"
+        if os.environ.get("CI", "").lower() in ("1", "true"):
+            pytest.fail(why)
+        pytest.skip(why)
+    env = {**os.environ, "TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "3"}
+    env["PYTHONPATH"] = os.pathsep.join([tf_keras, env.get("PYTHONPATH", "")])
+    runs = {}
+    for kind in ("tf", "keras"):
+        runs[kind] = subprocess.run(
+            [sys.executable, "legacy_keras_run.py", kind], cwd=WORKERS, env=env,
+            capture_output=True, text=True, timeout=240,
+        )  # fmt: skip
+    refused = runs["tf"]
+    assert refused.returncode != 0 and "TRAINED" not in refused.stdout, refused.stdout
+    assert "UsageError: tfstrat: this model is a tf-keras (Keras 2) model" in refused.stderr
+    for named in ("TF_USE_LEGACY_KERAS='1'", "Ray Train's TensorflowTrainer", "`import keras`"):
+        assert named in refused.stderr, (named, refused.stderr[-2000:])
+    trained = runs["keras"]
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert "TRAINED keras.src.models" in trained.stdout, trained.stdout
+    assert "tf.keras is tf-keras (Keras 2) here" in trained.stderr  # the warning, once

@@ -3,7 +3,7 @@
 say nothing (`quiet`) and TensorFlow's BFC allocator on the CPU (`allocator`). `traffic` reads
 the process's TCP byte counts for tests and benchmarks."""
 
-from tfstrat._compat import versions
+from tfstrat._compat import legacy_keras, versions
 from tfstrat.runtime import allocator, logs
 
 
@@ -13,5 +13,6 @@ def apply() -> None:
     (see `allocator.configure` for what happens when that is too late)."""
     logs.setup()
     versions.check()
+    legacy_keras.install()  # tf.keras as tf-keras (TF_USE_LEGACY_KERAS=1): refused by name
     allocator.configure()
     allocator.announce()
