@@ -2,7 +2,9 @@
 their TF_CONFIG (workers only), and CollectiveAllReduce, Hybrid without ps tasks and LocalSGD
 (sync_every=1, plain SGD) each end with identical weights on both workers, equal to
 single-device training. Needs the `ray` extra (scripts/test installs it); elsewhere the tier
-skips saying why. Run: `scripts/test -m ray`."""
+skips saying why. With tf-keras on the workers' path too (scripts/test installs it apart), as
+Ray's docs advise: Ray Train sets TF_USE_LEGACY_KERAS=1, so tf.keras is Keras 2 there, and the
+recipe's `import keras` models train as Keras 3. Run: `scripts/test -m ray`."""
 
 import os
 import subprocess
@@ -29,9 +31,14 @@ def _env() -> dict:
     Ray Train requires pandas, which Keras would import into every TensorFlow process of the
     rest of the suite."""
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "RAY_DEDUP_LOGS": "0"}
-    if os.environ.get("TFSTRAT_TEST_RAY"):
-        paths = [*filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
-        env["PYTHONPATH"] = os.pathsep.join([*paths, os.environ["TFSTRAT_TEST_RAY"]])
+    paths = [*filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    # tf-keras too, as Ray's own docs tell TensorFlow users to install it: with Ray Train's
+    # TF_USE_LEGACY_KERAS=1, tf.keras is Keras 2 on the workers; the recipe's `import keras`
+    # models are Keras 3 whatever the variable says.
+    for extra in ("TFSTRAT_TEST_TFKERAS", "TFSTRAT_TEST_RAY"):
+        if os.environ.get(extra):
+            paths.append(os.environ[extra])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
     return env
 
 
@@ -57,6 +64,8 @@ def test_ray_train_runs_every_strategy_equal_to_single_device(tmp_path):
         env=env,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    if os.environ.get("TFSTRAT_TEST_TFKERAS"):  # Ray set TF_USE_LEGACY_KERAS, tf-keras was there
+        assert "TF_USE_LEGACY_KERAS=1: tf.keras is tf-keras" in proc.stdout + proc.stderr
     reference = _weights(np.load(tmp_path / "reference.npz"))
     for kind in STRATEGIES:
         workers = [_weights(np.load(tmp_path / f"{kind}-{w}.npz")) for w in (0, 1)]
