@@ -422,7 +422,10 @@ def test_a_tf_keras_model_is_refused_by_name_where_tf_keras_is_tf_keras():
 
     tf_keras = os.environ.get("TFSTRAT_TEST_TFKERAS", "")
     if not os.path.isdir(os.path.join(tf_keras, "tf_keras")):
-        why = "tf-keras is installed by scripts/test into .venv/tfkeras (TFSTRAT_TEST_TFKERAS)"
+        why = (
+            "needs tf-keras beside the venv, which scripts/test installs into .venv/tfkeras "
+            "(TFSTRAT_TEST_TFKERAS): run it with `scripts/test tests/test_compat.py -k tf_keras`"
+        )
         if os.environ.get("CI", "").lower() in ("1", "true"):
             pytest.fail(why)
         pytest.skip(why)

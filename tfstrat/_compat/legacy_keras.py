@@ -21,7 +21,6 @@ from tfstrat.errors import UsageError
 
 logger = logging.getLogger("tfstrat")
 ENV = "TF_USE_LEGACY_KERAS"
-_installed = False
 
 
 def legacy() -> bool:
@@ -42,12 +41,15 @@ def message(strategy) -> str:
 
 def install() -> None:
     """Warns once and guards tf-keras's `Model.compile` when `legacy()` (once per process)."""
-    global _installed
-    if _installed or not legacy():
+    if not legacy():
         return
-    _installed = True
     import tensorflow as tf
     import tf_keras
+
+    from tfstrat._compat import patches
+
+    if patches.is_patched(tf_keras.Model, "compile"):
+        return
 
     logger.warning(
         "tfstrat: %s=%s: tf.keras is tf-keras (Keras 2) here; tfstrat's strategies train "
@@ -64,4 +66,4 @@ def install() -> None:
         return compile_(self, *args, **kwargs)
 
     compile.__doc__ = compile_.__doc__
-    tf_keras.Model.compile = compile
+    patches.patch(tf_keras.Model, "compile", compile, "a tf-keras model refused by name")
