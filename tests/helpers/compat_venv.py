@@ -27,10 +27,10 @@ def spec(name: str, release: str) -> str:
     return f"{name}=={release}.*" if release.count(".") == 1 else f"{name}=={release}"
 
 
-def venv(tf: str, keras: str, prefix: Path | None = None) -> Path:
+def venv(tf: str, keras: str) -> Path:
     """The pair's venv's python, made and installed once. Raises RuntimeError naming the pair
     and pip's error when pip cannot install it."""
-    root = (prefix or Path(sys.prefix)) / "compat"
+    root = Path(sys.prefix) / "compat"
     root.mkdir(parents=True, exist_ok=True)
     venv_dir = root / f"tf{tf}-keras{keras}"
     python, stamp = venv_dir / "bin" / "python", venv_dir / ".installed"
