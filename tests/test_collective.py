@@ -82,12 +82,30 @@ def test_two_workers_equal_single_device(tmp_path):
 
 
 def test_workers_of_two_devices_equal_single_device_with_steps_per_execution(tmp_path):
-    """Two logical CPUs per worker: the step's collectives are TensorFlow's (no per-op timeout:
-    the process's watchdog bounds them), with steps_per_execution 1 (NumPy input) and 3 (the
-    tf.data input), where each replica draws its own instance keys inside Keras's loop (one
-    counter shared by a worker's replicas gave the members of one collective different keys,
-    and they waited for each other forever)."""
+    """Two logical CPUs per worker, the default transport: each worker sums its two replicas
+    by copies on its first device and the sums cross on tfstrat's TCP ring, with
+    steps_per_execution 1 (NumPy input) and 3 (the tf.data input); no TensorFlow collective in
+    a step (their records grow with the run: tfstrat/reduce/cross_device.py)."""
     out = _check_against_reference(tmp_path, 2, "--devices", "2")
+    assert "4 replica(s) in sync" in out and "tcp ring" in out, out[-3000:]
+    assert "Using CollectiveAllReduce eagerly" not in out  # no eager collective on 2 devices
+    for i in range(2):
+        r = np.load(tmp_path / f"worker_{i}.npz")
+        for name in ("sgdm", "adam"):
+            graph = json.loads(str(r[f"{name}/graph"]))
+            assert not graph["hints"], graph  # no CollectiveReduce op in the traced step
+        # Every step exchanged once on the ring at least (the step's sums; the per-step
+        # "input left" count of TensorFlow's sharding rides in a second, float64 call).
+        steps = sum(int(r[f"{name}/iterations"]) for name in ("sgdm", "adam", "dataset"))
+        assert (r["ring/sizes"] > int(r["dense_params"])).sum() >= steps, r["ring/sizes"]
+
+
+def test_workers_of_two_devices_over_tensorflows_ring_with_steps_per_execution(tmp_path):
+    """communication="ring": TensorFlow's collectives carry the step (no per-op timeout: the
+    process's watchdog bounds them), where each replica draws its own instance keys inside
+    Keras's loop of steps_per_execution=3 (one counter shared by a worker's replicas gave the
+    members of one collective different keys, and they waited for each other forever)."""
+    out = _check_against_reference(tmp_path, 2, "--devices", "2", "--communication", "ring")
     assert "4 replica(s) in sync" in out and "tcp ring" not in out
     assert "Using CollectiveAllReduce eagerly" not in out  # no eager collective on 2 devices
 

@@ -20,14 +20,14 @@ from __future__ import annotations
 import sys
 
 import pytest
-from soak import PATHS, THREADS, check, rss_growth, run
+from soak import PATHS, TENSORFLOW_RECORDS, THREADS, check, rss_growth, run
 
 RSS_GROWTH = 0.05  # the soak's bound on resident memory, first quarter to last
 # A sample this far above the first stops the run: a leak of a thread per op passes it within
 # a few hundred steps; a healthy run's epoch-end pipelines, freed by Python's cyclic
 # collector, reach +140 (the one-device paths' sawtooth, docs/benchmarks.md "Long runs").
 STOP_AT = 8 * THREADS
-SMOKE_SPE_4_ONLY = ("tcp-ring", "hybrid-ps")
+SMOKE_SPE_4_ONLY = ("tcp-ring", "tcp-ring-2-devices", "hybrid-ps")
 
 
 @pytest.mark.cluster
@@ -59,8 +59,9 @@ def soak_only(request):
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("path", list(PATHS))
 def test_twenty_thousand_steps_flat_threads_files_memory_and_no_retracing(path, tmp_path):
-    """Also: resident memory grows less than 5% from the first quarter to the last, and no
-    step function is traced again after the first epoch. Step times per quarter are printed
+    """Also: resident memory grows less than 5% from the first quarter to the last (on
+    TensorFlow's ring, by less than its records' bound a step: `soak.TENSORFLOW_RECORDS`), and
+    no step function is traced again after the first epoch. Step times per quarter are printed
     (a benchmark figure: `tfstrat bench soak` tabulates them)."""
     steps = 20_000 // len(PATHS[path][2].split(","))  # per steps_per_execution phase
     reports = run(path, tmp_path, steps, every=200, stop_at=STOP_AT)
@@ -68,6 +69,11 @@ def test_twenty_thousand_steps_flat_threads_files_memory_and_no_retracing(path, 
     for r in reports:
         for p in r["phases"]:
             first, last = rss_growth(p["samples"], 1000)
-            assert last < first * (1 + RSS_GROWTH), (r["task"], p["spe"], first, last)
+            if path in TENSORFLOW_RECORDS:  # TensorFlow's own, bounded per step
+                per_step = (last - first) * 1024 / (0.75 * (p["steps"] - 1000))
+                bound = TENSORFLOW_RECORDS[path]
+                assert per_step < bound, (r["task"], p["spe"], first, last, per_step)
+            else:
+                assert last < first * (1 + RSS_GROWTH), (r["task"], p["spe"], first, last)
             assert p["traces"] == p["first_epoch_traces"], (r["task"], p["spe"], p["traces"])
     print("\n".join(lines), file=sys.stderr)

@@ -26,7 +26,8 @@ CPU = [f"/device:CPU:{i}" for i in range(4)]
         (CPU[:1], 3, "tcp"),
         (CPU[:1], 1, "ring"),
         (CPU[:2], 1, "ring"),  # logical CPUs (tfstrat.split_cpu)
-        (CPU[:2], 2, "ring"),
+        (CPU[:2], 2, "tcp"),  # each worker sums its logical CPUs, then tfstrat's ring
+        (CPU[:4], 3, "tcp"),
         (["/device:GPU:0", "/device:CPU:0"], 2, "ring"),  # mixed
     ],
 )
@@ -52,8 +53,8 @@ def test_what_is_asked_for_is_honoured_or_refused_with_the_reason():
         choose("nccl", GPU[:2], 1, virtual_gpus=True)
     with pytest.raises(ValueError, match=r"communication='nccl'.*no CUDA"):
         choose("nccl", GPU[:2], 1, cuda_build=False)
-    with pytest.raises(ValueError, match=r"communication='tcp' with 2 devices per worker"):
-        choose("tcp", CPU[:2], 2)
+    # Several devices per worker: the worker sums them, then the ring (`sums_locally`).
+    assert choose("tcp", CPU[:2], 2).kind == "tcp"
     with pytest.raises(ValueError, match=r"communication='carrier-pigeon'"):
         choose("carrier-pigeon", CPU[:1], 2)
 

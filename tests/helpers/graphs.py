@@ -47,4 +47,10 @@ def summary(model) -> dict:
     )
     devices = {n.device for n in nodes if "gradient" in n.name.lower() and n.device}
     nccl = sum(n.op == "NcclAllReduce" for n in nodes)  # ModelParallel's model-axis sums
-    return {"hints": dict(hints), "gradient_devices": sorted(devices), "nccl_all_reduce": nccl}
+    names = sorted(n.name for n in nodes if n.op.startswith("Collective"))
+    return {
+        "hints": dict(hints),
+        "gradient_devices": sorted(devices),
+        "nccl_all_reduce": nccl,
+        "collectives": names,
+    }

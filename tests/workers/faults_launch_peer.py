@@ -22,7 +22,13 @@ mode, timeout = sys.argv[1], float(sys.argv[2])
 devices = int(sys.argv[3]) if len(sys.argv) > 3 else 1
 if devices > 1:
     tfstrat.split_cpu(devices)
-strategy = tfstrat.CollectiveAllReduce(timeout=timeout, devices=devices if devices > 1 else None)
+# Two devices: over TensorFlow's collectives (communication="ring"; "auto" sums the devices and
+# takes tfstrat's ring), where the process's watchdog bounds each step.
+strategy = tfstrat.CollectiveAllReduce(
+    timeout=timeout,
+    devices=devices if devices > 1 else None,
+    communication="ring" if devices > 1 else "auto",
+)
 
 import keras  # noqa: E402
 from common import build_model, compile_model, data, optimizer  # noqa: E402

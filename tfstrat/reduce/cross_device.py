@@ -1,11 +1,21 @@
 """The cross-device all-reduce every tfstrat all-reduce strategy uses.
 
-A subclass of TensorFlow's collective all-reduce (ring on CPUs, NCCL on GPUs) that changes two
-things: how `IndexedSlices` are reduced (dedup, then one all-gather), and, with a `ring`
-(`communication="tcp"`, one device per worker), dense floating-point tensors go out packed in
-one call of tfstrat's TCP ring (`tfstrat.reduce.ring`) instead of TensorFlow's gRPC
-collectives, and packed sparse rows in one ring all-gather. Otherwise dense tensors keep TensorFlow's packing (one collective per pack of
-`bytes_per_pack`, or one for everything by default).
+A subclass of TensorFlow's collective all-reduce (ring on CPUs, NCCL on GPUs) that changes three
+things:
+
+- how `IndexedSlices` are reduced (dedup, then one all-gather);
+- with a `ring` (`communication="tcp"`), dense floating-point tensors go out packed in one call
+  of tfstrat's TCP ring (`tfstrat.reduce.ring`) instead of TensorFlow's gRPC collectives, and
+  packed sparse rows in one ring all-gather;
+- several devices of one process that NCCL does not join (logical CPUs, virtual GPUs) are
+  summed by this process itself: each value's replicas copied to the first device and added in
+  replica order (`add_n`), the sum crossing workers on the ring once, then copied back to every
+  device. TensorFlow's collectives keep a record of every collective instance they ever ran for
+  the life of the process (`CollectiveParamResolverLocal`'s instance table, never erased in TF
+  2.21; tensorflow#42616): with them in every step, memory grows with the run.
+
+Otherwise dense tensors keep TensorFlow's packing (one collective per pack of `bytes_per_pack`,
+or one for everything by default).
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ import weakref
 import tensorflow as tf
 
 from tfstrat._compat.tf import cross_device_ops, in_control_flow, nest
+from tfstrat._compat.tf import values as tf_values
 from tfstrat.errors import UsageError
 from tfstrat.reduce import compression, sparse
 
@@ -43,6 +54,7 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
         #: (one device per worker); None: TensorFlow's collectives.
         self.ring = None
         self._ring_calls = RingCalls()
+        self._summing = False  # in `_local_sums`: the worker's sum goes to the ring
         #: None, "fp16", "bf16" or a `compression.PowerSGD`: how the step's dense gradients
         #: travel on the ring (set by the strategy; `tfstrat.reduce.compression`).
         self.compression = None
@@ -54,7 +66,10 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
         #: flat float32. None: nothing is recorded.
         self.trace: list | None = None
         #: What replica 0 sent, recorded at trace time: `("all_reduce", [shapes])` for a dense
-        #: pack, `("all_gather", shape)` for a packed sparse gradient. For tests and debugging.
+        #: pack, `("all_gather", shape)` for a packed sparse gradient; a worker's sums of its
+        #: devices (`sums_locally`): `("local_sum", [shapes])` for one call's dense values and
+        #: `("local_rows", [rows, width])` for each sparse gradient kept as rows (one
+        #: replica's rows before dedup). For tests and debugging.
         self.traced: list[tuple] = []
         #: `(kind, bytes this worker hands to the collective)` for the last traced call
         #: (a training step's gradients, when the last function traced was a train step).
@@ -75,7 +90,78 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
             total += nbytes * (2 * (n - 1) / n if kind == "all_reduce" else n - 1)
         return int(total)
 
+    def sums_locally(self) -> bool:
+        """Whether this process adds its replicas' values itself (`_local_sums`): several
+        devices that NCCL does not join, and either the whole group in this process or
+        tfstrat's ring between the workers."""
+        n = len(self._devices)
+        nccl = (
+            self._options.implementation
+            == tf.distribute.experimental.CommunicationImplementation.NCCL
+        )
+        return n > 1 and not nccl and (self._group_size == n or self.ring is not None)
+
+    def _all_reduce_per_replica_values(self, reduce_op, per_replica_values, options):
+        n = len(self._devices)
+        if not self.sums_locally() or any(len(v.values) != n for v in per_replica_values):
+            return super()._all_reduce_per_replica_values(reduce_op, per_replica_values, options)
+        return self._local_sums(reduce_op, per_replica_values, options)
+
+    def _local_sums(self, reduce_op, per_replica_values, options):
+        """Each value's replicas summed on the first device in replica order, the sums across
+        workers in one ring exchange, and every device a copy: bit-identical on every replica.
+        A sparse gradient stays rows or is densified as `density` decides from one replica's
+        static rows (as when each replica sent its own); kept rows are deduplicated (across
+        workers, by the ring's gather)."""
+        hosts = self._group_size > len(self._devices)
+        sums, marks, summed = [], [], []
+        with tf.device(self._devices[0]):
+            for value in per_replica_values:
+                parts = list(value.values)
+                rows = all(isinstance(p, tf.IndexedSlices) for p in parts)
+                dense = not rows or self.density.densify(parts[0], self._group_size)
+                sums.append(_sum_replicas(parts, dense, dedup=not hosts))
+                if dense:
+                    shape = parts[0].dense_shape if rows else parts[0].shape
+                    summed.append(_shape_list(shape))
+                else:
+                    width = parts[0].values.shape[1:].num_elements()
+                    self._record_local("local_rows", [sparse.static_rows(parts[0]), width])
+                if hosts and not dense:  # decided: the ring's gather must not densify it
+                    marks.append(sparse.keep_sparse(sums[-1]))
+            if summed:
+                self._record_local("local_sum", summed)
+            if hosts:
+                self._summing = True
+                try:
+                    sums = self._all_reduce(tf.distribute.ReduceOp.SUM, sums, 0, options)
+                finally:
+                    self._summing = False
+                    sparse.forget(marks)
+            if reduce_op == tf.distribute.ReduceOp.MEAN:
+                sums = [_divide(s, self._group_size) for s in sums]
+        out = []
+        for total in sums:
+            copies = []
+            for device in self._devices:
+                with tf.device(device):
+                    copies.append(_copy(total))
+            out.append(tf_values.Mirrored(copies))
+        return out
+
+    def _record_local(self, kind, shapes):
+        if not tf.executing_eagerly():  # traced steps only, not metric reads
+            self.traced.append((kind, shapes))
+
     def _all_reduce(self, reduce_op, value, replica_id, options):
+        # With the ring, only the ring crosses workers: what the packed float exchange does
+        # not carry goes in float64 (`_ring_sum64`), rows it cannot pack are densified.
+        ring_only = self.ring is not None
+        if ring_only and len(self._devices) > 1 and not self._summing:
+            raise AssertionError(  # each replica's value alone would cross: a partial sum
+                "tfstrat: a replica's all-reduce reached the ring on its own; a worker of "
+                "several devices sums them first (`_local_sums`)"
+            )
         flat = nest.flatten(value)
         if replica_id == 0 and not tf.executing_eagerly():
             self.last_call = []
@@ -88,6 +174,7 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
                 # calls interleave across a loop's iterations (a custom loop's `tf.range`):
                 # there, such a gradient is all-reduced densely.
                 densify = densify or (rows[i] is None and in_control_flow())
+                densify = densify or (ring_only and not packable(v))
                 with tf.device(self._devices[replica_id]):
                     v = sparse.dedup(v)
                     flat[i] = sparse.densify(v) if densify else v
@@ -97,6 +184,8 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
         dense = [flat[i] for i in dense_at]
         # Everything the TCP ring can carry goes in one exchange: the step waits once.
         by_ring = dense_at if dense and self._ring_carries(dense) else []
+        if ring_only and dense and not by_ring:  # carry what the ring can; the rest in float64
+            by_ring = _one_floating_dtype(dense_at, flat)
         lossy = self.compression is not None and any(compression.marked(t) for t in dense)
         if lossy and not by_ring:
             _warn_once(
@@ -123,7 +212,10 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
             for i, g in gathered.items():
                 flat[i] = g
         rest = [i for i in dense_at if i not in by_ring]
-        if rest:
+        if rest and ring_only:
+            for i, r in zip(rest, self._ring_sum64(reduce_op, [flat[i] for i in rest])):
+                flat[i] = r
+        elif rest:
             reduced = super()._all_reduce(reduce_op, [flat[i] for i in rest], replica_id, options)
             for i, r in zip(rest, reduced):
                 flat[i] = r
@@ -139,6 +231,21 @@ class SparseAwareAllReduce(cross_device_ops.CollectiveAllReduce):
 
     def _ring_call(self, fn, inputs, shapes, name):
         return self._ring_calls.call(fn, inputs, shapes, name)
+
+    def _ring_sum64(self, reduce_op, dense):
+        """Dense tensors the packed float exchange does not carry (integers, counts, shapes
+        known only at run time), summed over the workers on the ring in float64 (exact for
+        integers below 2**53) and cast back."""
+        ring = self.ring
+        with tf.device(self._devices[0]):
+            flat = tf.concat([tf.reshape(tf.cast(t, tf.float64), [-1]) for t in dense], 0)
+            summed = self._ring_call(
+                lambda x: [ring.exchange(x, [])[0].copy()], [flat], [flat.shape], "tcp_sum64"
+            )[0]
+            if reduce_op == tf.distribute.ReduceOp.MEAN:
+                summed = summed / self._group_size
+            pieces = tf.split(summed, [tf.size(t) for t in dense])
+            return [tf.cast(tf.reshape(p, tf.shape(t)), t.dtype) for p, t in zip(pieces, dense)]
 
     def _ring_exchange(self, reduce_op, dense, slices, replica_id):
         """One TCP ring exchange for a step: every dense tensor packed into one flat vector
@@ -387,3 +494,55 @@ class RingCalls:
 def packable(slices: tf.IndexedSlices) -> bool:
     """Whether `sparse.pack_rows` can carry the gradient: float32 rows of a static width."""
     return slices.values.dtype == tf.float32 and slices.values.shape[1:].is_fully_defined()
+
+
+def _one_floating_dtype(at: list[int], flat: list) -> list[int]:
+    """The positions in `at` of statically shaped tensors of the commonest floating dtype."""
+    floats = [i for i in at if flat[i].dtype.is_floating and flat[i].shape.is_fully_defined()]
+    if not floats:
+        return []
+    dtypes = [flat[i].dtype for i in floats]
+    common = max(set(dtypes), key=dtypes.count)
+    return [i for i in floats if flat[i].dtype == common]
+
+
+def _sum_replicas(parts: list, dense: bool, dedup: bool):
+    """One value's replicas summed in replica order on the current device: by `add_n` when
+    `dense` (rows densified first), else rows (`IndexedSlices`) concatenated; with `dedup`,
+    each replica's rows deduplicated, then the concatenation's (an all-gather's result)."""
+    if not dense:
+        parts = [sparse.dedup(p) for p in parts] if dedup else parts
+        rows = tf.IndexedSlices(
+            tf.concat([p.values for p in parts], 0),
+            tf.concat([p.indices for p in parts], 0),
+            parts[0].dense_shape,
+        )
+        return sparse.dedup(rows) if dedup else rows
+    parts = [sparse.densify(p) if isinstance(p, tf.IndexedSlices) else p for p in parts]
+    return tf.add_n([tf.identity(p) for p in parts])
+
+
+def _divide(value, count: int):
+    """`value` / `count` (a MEAN; integer division for integers)."""
+    if isinstance(value, tf.IndexedSlices):
+        return tf.IndexedSlices(_divide(value.values, count), value.indices, value.dense_shape)
+    if value.dtype.is_integer:
+        return value // count
+    return value / tf.cast(count, value.dtype)
+
+
+def _copy(value):
+    if isinstance(value, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            tf.identity(value.values), tf.identity(value.indices), value.dense_shape
+        )
+    return tf.identity(value)
+
+
+def _shape_list(shape) -> list | None:
+    """A static shape as a list (None for an unknown dimension), or None when unknown."""
+    static = tf.get_static_value(shape) if isinstance(shape, tf.Tensor) else shape
+    if static is None:
+        return None
+    shape = tf.TensorShape(static)
+    return shape.as_list() if shape.rank is not None else None

@@ -141,6 +141,32 @@ class _Extended(_cars.CollectiveAllReduceExtended):
             self._density,
             collective_keys=self._collective_keys,
         )
+        hosts = getattr(self, "_host_cross_device_ops", None)
+        if hosts is not None:  # a value on no replica (a count, a flag): one device a worker
+            self._host_cross_device_ops = SparseAwareAllReduce(
+                hosts._devices,
+                hosts._group_size,
+                self._communication_options,
+                self._density,
+                collective_keys=self._collective_keys,
+            )
+
+    def use_ring(self, ring_, compression) -> None:
+        """Every all-reduce across the workers goes over tfstrat's `ring_` (the replicas' and
+        the host's, in one order: one `RingCalls`)."""
+        replicas, hosts = self._cross_device_ops, getattr(self, "_host_cross_device_ops", None)
+        replicas.ring, replicas.compression = ring_, compression
+        if hosts is not None and hosts is not replicas:
+            hosts.ring, hosts._ring_calls = ring_, replicas._ring_calls
+
+    def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
+        # Several devices summed by this worker (`sums_locally`) meet in a merge_call; stock
+        # would all-reduce each replica on its own (XLA on GPUs, where there is no merge call).
+        if self._cross_device_ops.sums_locally():
+            return distribute_lib.StrategyExtendedV2._replica_ctx_all_reduce(
+                self, reduce_op, value, options
+            )
+        return super()._replica_ctx_all_reduce(reduce_op, value, options)
 
     def _experimental_distribute_dataset(self, dataset, options):
         _common.check_not_empty(dataset)
@@ -292,11 +318,11 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
             logical CPU devices (split with `tfstrat.split_cpu(n)` first); or names
             (["/gpu:0"], ["/gpu:0", "/gpu:1"], ["/cpu:0", "/cpu:1"]).
         communication: "auto", "tcp", "ring" or "nccl". "tcp": dense gradients go over
-            tfstrat's ring of TCP connections between the workers (one device per worker;
-            two workers on one machine exchange the bytes through shared memory);
-            "ring"/"nccl": TensorFlow's collectives. "auto" (`tfstrat.strategies.transport`):
-            NCCL when every replica is a GPU (one or more per worker, 2+ in all), tcp on
-            CPU-only workers with one device each, else TensorFlow's ring.
+            tfstrat's ring of TCP connections between the workers (two workers on one machine
+            exchange the bytes through shared memory; a worker of several devices sums them
+            first); "ring"/"nccl": TensorFlow's collectives. "auto"
+            (`tfstrat.strategies.transport`): NCCL when every replica is a GPU (one or more per
+            worker, 2+ in all), tcp on CPU-only workers, else TensorFlow's ring.
         pack_bytes: split dense gradients into packs of about this many bytes (overlaps
             communication with the backward pass); None sends them in one pack.
         sparse_as_dense: "auto", a fraction in (0, 1], True or False (`DensityPolicy`).
@@ -307,8 +333,8 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
         compression: None (exact), "fp16", "bf16", "powersgd" or `tfstrat.PowerSGD(rank=...)`:
             the step's dense gradients travel compressed between the workers, for slow links
             (`tfstrat.reduce.compression`). Lossy: training no longer equals one device's.
-            Sparse gradients and the step's metric states stay exact. Needs the TCP ring (one
-            device per worker).
+            Sparse gradients and the step's metric states stay exact. Needs the TCP ring and
+            one device per worker.
 
     Environment:
         TF_CONFIG: the cluster and this task, as `tfstrat launch` or Kubeflow set it.
@@ -360,12 +386,14 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
         local = replicas if devices is not None or gpu else None
         tcp = self._uses_tcp_ring(communication, count, tf_config)
         compression = _compression.parse(compression)
-        if compression is not None and not tcp and _workers(tf_config) > 1:
+        several = len(replicas) > 1
+        if compression is not None and (not tcp or several) and _workers(tf_config) > 1:
             raise UsageError(
                 f"Received: compression={_compression.describe(compression)!r} with "
                 f"communication={communication!r} and {count or 1} device(s) per worker. "
-                "Compressed gradients travel on tfstrat's TCP ring: use one device per worker "
-                "and communication='tcp' (or 'auto' on CPU-only workers)."
+                "Compressed gradients travel on tfstrat's TCP ring from one device per worker: "
+                "use one device per worker and communication='tcp' (or 'auto' on CPU-only "
+                "workers)."
             )
         implementation = _common.Impl[self._transport.implementation]
         # No timeout_seconds: TensorFlow would start a thread per collective op that sleeps
@@ -409,8 +437,7 @@ class CollectiveAllReduce(_common.AdoptsKerasOptimizers, tf.distribute.MultiWork
             if tcp:
                 t = timeout or DEFAULT_TIMEOUT
                 ring_ = _reuse.ring(lambda: self._connect_ring(t), t)
-                self.extended._cross_device_ops.ring = ring_
-                self.extended._cross_device_ops.compression = compression
+                self.extended.use_ring(ring_, compression)
         self.timeout = timeout or DEFAULT_TIMEOUT  # waits on other tasks outside collectives
         self._stop = None
         # Models, not ids: a new model can reuse a collected one's id on one worker only.

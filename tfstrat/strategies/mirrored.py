@@ -21,8 +21,9 @@ logger = logging.getLogger(__name__)
 class MirroredNCCL(_common.AdoptsKerasOptimizers, tf.distribute.MirroredStrategy):
     """Synchronous data parallelism over the devices of one process.
 
-    Dense gradients go out in one packed collective: NCCL on two or more physical GPUs, ring
-    collectives on CPUs and virtual devices. Sparse gradients (`IndexedSlices` from Embedding
+    Dense gradients go out in one packed NCCL all-reduce on two or more physical GPUs; on CPUs
+    and virtual devices this process adds the replicas' copies itself (no TensorFlow collective,
+    whose records grow with the run: `tfstrat.reduce.cross_device`). Sparse gradients (`IndexedSlices` from Embedding
     layers) are deduplicated on each replica and all-gathered in one collective, or densified
     when the replicas could touch more than `sparse_as_dense` of the table's rows.
 
@@ -88,11 +89,14 @@ class MirroredNCCL(_common.AdoptsKerasOptimizers, tf.distribute.MirroredStrategy
         extended._cross_device_ops = ops
         extended._collective_ops = ops
         extended._communication_options = options
+        how = f"{implementation.name.lower()} all-reduce"
+        if ops.sums_locally():
+            how = "summed by copies between the devices (no collective)"
         logger.info(
-            "tfstrat: MirroredNCCL over %d device(s) %s, %s all-reduce (%s)",
+            "tfstrat: MirroredNCCL over %d device(s) %s, %s (%s)",
             len(devices),
             list(devices),
-            implementation.name.lower(),
+            how,
             chosen.why,
         )
 

@@ -7,11 +7,10 @@ the worker count and the TensorFlow build, so every case is tested on literal de
 | the replicas (each worker's) | workers | `communication="auto"` |
 |---|---|---|
 | GPUs of a CUDA build, one logical device per card, 2+ replicas in all (1 or more per worker, one host or many) | any | NCCL (as stock `MultiWorkerMirroredStrategy`) |
-| one CPU device per worker | 2+ | tfstrat's TCP ring (shared memory between two workers of one machine) |
-| anything else: CPUs split into logical devices, virtual GPUs (NCCL refuses two ranks on one card), CPUs and GPUs mixed, a build without CUDA | any | TensorFlow's ring |
+| CPU devices (one, or logical ones from `tfstrat.split_cpu`) | 2+ | tfstrat's TCP ring (shared memory between two workers of one machine); several devices of a worker summed by the worker first |
+| anything else: CPUs split into logical devices in one process, virtual GPUs (NCCL refuses two ranks on one card), CPUs and GPUs mixed, a build without CUDA | any | TensorFlow's ring; several devices of one process that NCCL does not join are summed by the process itself (`tfstrat.reduce.cross_device`) |
 
-`communication="nccl"` where NCCL cannot run, and `"tcp"` with several devices per worker,
-are refused with the reason. GPUs are the ones this process sees: `CUDA_VISIBLE_DEVICES`
+`communication="nccl"` where NCCL cannot run is refused with the reason. GPUs are the ones this process sees: `CUDA_VISIBLE_DEVICES`
 hides cards from CUDA, `tf.config.set_visible_devices` from TensorFlow; both count here.
 """
 
@@ -59,8 +58,8 @@ def choose(
         virtual_gpus: whether a card is split into several logical GPUs.
 
     Raises:
-        UsageError: an unknown `communication`, "nccl" where NCCL cannot run, or "tcp" with
-            several devices per worker; the message says why and what to use.
+        UsageError: an unknown `communication`, or "nccl" where NCCL cannot run; the message
+            says why and what to use.
 
     Example:
         >>> choose("auto", ["/device:GPU:0"], workers=4).kind  # one GPU per worker
@@ -92,18 +91,14 @@ def choose(
             )
         return Transport("nccl", "asked for")
     if communication == "tcp":
-        if len(replicas) > 1:
-            raise UsageError(
-                f"Received: communication='tcp' with {len(replicas)} devices per worker. The TCP "
-                "ring carries one device per worker; use communication='auto', 'ring' or 'nccl'."
-            )
         return Transport("tcp" if workers > 1 else "ring", "asked for")
     if communication == "ring":
         return Transport("ring", "asked for")
     if no_nccl is None:
         return Transport("nccl", f"{total} GPU replicas in all ({len(replicas)} per worker)")
-    if workers > 1 and len(replicas) == 1 and not gpus:
-        return Transport("tcp", "one CPU device per worker")
+    if workers > 1 and all(not _is_gpu(d) for d in replicas):
+        per = "one CPU device" if len(replicas) == 1 else f"{len(replicas)} CPU devices"
+        return Transport("tcp", f"{per} per worker")
     return Transport("ring", no_nccl)
 
 
