@@ -20,7 +20,15 @@ from __future__ import annotations
 import sys
 
 import pytest
-from soak import PATHS, TENSORFLOW_RECORDS, THREADS, check, rss_growth, run
+from soak import (
+    PATHS,
+    TENSORFLOW_RECORDS,
+    THREADS,
+    check,
+    rss_growth,
+    rss_per_step,
+    run,
+)
 
 RSS_GROWTH = 0.05  # the soak's bound on resident memory, first quarter to last
 # A sample this far above the first stops the run: a leak of a thread per op passes it within
@@ -70,7 +78,7 @@ def test_twenty_thousand_steps_flat_threads_files_memory_and_no_retracing(path, 
         for p in r["phases"]:
             first, last = rss_growth(p["samples"], 1000)
             if path in TENSORFLOW_RECORDS:  # TensorFlow's own, bounded per step
-                per_step = (last - first) * 1024 / (0.75 * (p["steps"] - 1000))
+                per_step = rss_per_step(first, last, p["steps"], 1000)
                 bound = TENSORFLOW_RECORDS[path]
                 assert per_step < bound, (r["task"], p["spe"], first, last, per_step)
             else:

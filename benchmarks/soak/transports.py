@@ -65,6 +65,7 @@ def summarize(path: str, reports: list[dict]) -> list[dict]:
                     "file_growth": soak.growth(p["samples"], "files", WARMUP),
                     "rss_mb": [first / 1024, last / 1024],
                     "rss_growth": last / first - 1,
+                    "rss_per_step": soak.rss_per_step(first, last, p["steps"], WARMUP),
                     "retraced": p["traces"] - p["first_epoch_traces"],
                     "ms_per_step": quarters(p["samples"]),
                     "series": [(s["step"], s["threads"]) for s in p["samples"]],
@@ -80,7 +81,7 @@ def table(rows: list[dict], machine: str) -> str:
         "the quarters' medians.",
         "",
         "| path | task | spe | steps | threads first / last (growth) | files growth | RSS MB "
-        "first / last quarter (growth) | traced again after epoch 1 | ms a step, quarters 1-4 |",
+        "first / last quarter (growth, bytes a step) | traced again after epoch 1 | ms a step, quarters 1-4 |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -88,7 +89,8 @@ def table(rows: list[dict], machine: str) -> str:
         lines.append(
             f"| {r['path']} | {r['task']} | {r['spe']} | {r['steps']:,} | {r['threads'][0]} / "
             f"{r['threads'][1]} ({r['thread_growth']:+.0f}) | {r['file_growth']:+.0f} | "
-            f"{r['rss_mb'][0]:.0f} / {r['rss_mb'][1]:.0f} ({100 * r['rss_growth']:+.1f}%) | "
+            f"{r['rss_mb'][0]:.0f} / {r['rss_mb'][1]:.0f} ({100 * r['rss_growth']:+.1f}%, "
+            f"{r.get('rss_per_step', 0):+,.0f}) | "
             f"{r['retraced']} | {ms} |"
         )
     return "\n".join(lines)

@@ -24,10 +24,10 @@ PATHS = {
     "model-parallel": ("model-parallel", 2, "4", 0, 0, "auto"),
 }
 # Paths whose resident memory grows by TensorFlow's own records, with the most a step may add
-# (bytes; twice what was measured): TensorFlow's collectives keep a record of every instance
+# (bytes; about twice the most measured, 9.1 KB): TensorFlow's collectives keep a record of every instance
 # they ran for the life of the process (`CollectiveParamResolverLocal`'s instance table,
 # tensorflow#42616). tfstrat's own paths run none in a step.
-TENSORFLOW_RECORDS = {"tensorflow-ring": 16_384}
+TENSORFLOW_RECORDS = {"tensorflow-ring": 20_000}
 
 
 def run(path: str, out, steps: int, every: int, stop_at: int, spe: str | None = None) -> list[dict]:
@@ -66,6 +66,12 @@ def rss_growth(samples: list[dict], warmup: int) -> tuple[float, float]:
     rss = [s["rss_kib"] for s in samples if s["step"] >= warmup]
     quarter = len(rss) // 4
     return statistics.median(rss[:quarter]), statistics.median(rss[-quarter:])
+
+
+def rss_per_step(first: float, last: float, steps: int, warmup: int) -> float:
+    """Bytes of resident memory a step added, from `rss_growth`'s quarter medians (KiB) of a
+    phase of `steps` steps: the medians lie three quarters of the steps after warm-up apart."""
+    return (last - first) * 1024 / (0.75 * max(1, steps - warmup))
 
 
 def check(reports: list[dict], steps: int, warmup: int) -> list[str]:
